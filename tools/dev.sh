@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The two commands of the README contract, each doing its own set-up:
+#   tools/dev.sh demo   - the main job (train with ZeRO on CPU ranks, checkpoint, reshard, consolidate)
+#   tools/dev.sh test   - the test suite
+# Set-up: a virtual environment in .venv with torch pinned (tools/constraints.txt) and
+# zeroshard installed editable with its test extra. Re-runs are quick: a stamp file remembers
+# which pyproject/constraints the environment was built from.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv="$root/.venv"
+py="$venv/bin/python"
+
+setup() {
+    local want have=""
+    want=$(cat pyproject.toml tools/constraints.txt | sha256sum | cut -c1-16)
+    [ -f "$venv/.zeroshard-stamp" ] && have=$(cat "$venv/.zeroshard-stamp")
+    if [ -x "$py" ] && [ "$want" = "$have" ]; then return; fi
+    echo "== set-up: creating $venv (torch pinned by tools/constraints.txt)"
+    [ -x "$py" ] || python3 -m venv "$venv"
+    "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$py" -m pip install -q -c tools/constraints.txt torch==2.13.0
+    "$py" -m pip install -q -c tools/constraints.txt -e ".[test]"
+    echo "$want" > "$venv/.zeroshard-stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$py" tools/demo.py "$@" ;;
+    test) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$py" -m pytest -q "$@" ;;
+    *) echo "usage: tools/dev.sh {demo|test|setup} [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,197 @@
+"""The `zeroshard` command: shard, reshard, consolidate, inspect, verify (and estimate).
+
+Every path may be local or s3://. Errors are one line naming the file and the problem, with a
+non-zero exit; --debug shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from zeroshard import __version__
+from zeroshard.errors import ZeroshardError
+
+EXIT_ERROR = 1
+EXIT_VERIFY_FAILED = 3
+
+S3_HELP = """\b
+Paths may be local or s3://bucket/prefix. S3 endpoint and credentials come the standard way
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...) or as
+--storage-option key=value pairs passed to fsspec/s3fs (e.g. -S endpoint_url=http://127.0.0.1:9000
+-S anon=true)."""
+
+
+def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--storage-option, --quiet and --debug, and the one-line error handling, for every command."""
+
+    @click.option("-S", "--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+                  help="fsspec/s3fs option (repeatable); values are JSON-decoded when they parse.")
+    @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+    @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+    @functools.wraps(fn)
+    def wrapper(storage_option: tuple[str, ...], quiet: bool, debug: bool, **kwargs: Any) -> Any:
+        try:
+            from zeroshard.storage import parse_storage_options
+
+            options = parse_storage_options(storage_option)
+            return fn(storage_options=options, quiet=quiet, **kwargs)
+        except (ZeroshardError, ValueError) as exc:
+            if debug:
+                raise
+            click.echo(f"zeroshard: error: {exc}", err=True)
+            sys.exit(EXIT_ERROR)
+        except KeyboardInterrupt:
+            click.echo("zeroshard: interrupted; nothing was committed", err=True)
+            sys.exit(130)
+        except Exception as exc:  # a bug, or a library error we failed to translate
+            if debug:
+                raise
+            click.echo(f"zeroshard: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+                       err=True)
+            sys.exit(EXIT_ERROR)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="zeroshard")
+def main() -> None:
+    """zeroshard: sharded training checkpoints you can reshard, consolidate and verify anywhere.
+
+    \b
+    A checkpoint is a folder: one safetensors file per rank plus zeroshard.json, the manifest
+    written last (a checkpoint without it never committed). A folder holding several checkpoints
+    has a `latest` file naming the newest; commands given that folder follow it.
+
+    \b
+    Typical use:
+      zeroshard inspect ckpt/                      what is in it
+      zeroshard verify ckpt/                       every byte where it should be, hashes match
+      zeroshard reshard ckpt/ --to 16 -o ckpt16/   resume on 16 ranks instead of 8
+      zeroshard consolidate ckpt/ model.safetensors --dtype bf16
+      zeroshard shard model.safetensors ckpt/ --world 8   start a ZeRO run from weights
+    """
+
+
+@main.command()
+@click.argument("src")
+@click.argument("out")
+@click.option("--world", "world_size", type=int, required=True, help="Number of ranks to shard for.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+    """Split a full model into a WORLD-rank checkpoint (weights only).
+
+    SRC is one .safetensors file or an HF-style folder (model.safetensors.index.json plus
+    shards). Every tensor is flattened and cut into WORLD near-equal contiguous pieces; rank r
+    gets piece r. Data is streamed: memory stays at a 16 MiB buffer whatever the model size.
+    """
+    from zeroshard.toolkit.shard import shard as run
+
+    manifest = run(src, out, world_size, overwrite=overwrite, storage_options=storage_options, quiet=quiet)
+    n = sum(t.numel for t in manifest.tensors.values())
+    click.echo(f"wrote {out}: {len(manifest.tensors)} tensors ({n:,} elements) over {world_size} ranks")
+
+
+@main.command()
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Cast floating-point weights (default: as stored, bit-exact).")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Write HF's sharded layout with files up to SIZE (e.g. 5GB, 500MB, 2GiB) into folder OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
+                storage_options: dict, quiet: bool) -> None:
+    """Write the full model's weights from checkpoint CKPT.
+
+    \b
+    OUT ending in .safetensors: one file.
+    OUT a folder: HF's layout, model-00001-of-0000N.safetensors + model.safetensors.index.json
+    (or a single model.safetensors when everything fits in one shard, as HF does), loadable with
+    transformers' from_pretrained once a config.json sits beside it.
+
+    Tensors stream from the rank files through a 16 MiB buffer, hash-checked as they are read;
+    tied weights recorded in the manifest are written under both names.
+    """
+    from zeroshard.toolkit.consolidate import consolidate as run
+
+    files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                storage_options=storage_options, quiet=quiet)
+    click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else ""))
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--to", "world_size", type=int, required=True, help="The new number of ranks (any M >= 1).")
+@click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+    """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
+
+    Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
+    assembled from the old pieces that overlap it; fragments are hash-checked on the way in and
+    hashed on the way out. Per-rank items (RNG states) are dropped when the world size changes.
+    """
+    from zeroshard.toolkit.reshard import reshard as run
+
+    result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet)
+    click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
+    if result.dropped:
+        click.echo(f"dropped {len(result.dropped)} per-rank item(s) that do not carry to a new world size "
+                   f"(e.g. {result.dropped[0]})")
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_common
+def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> None:
+    """Summarize checkpoint CKPT from its manifest: world size, stage, step, parameters,
+    bytes per rank, dtypes, optimizer. Reads no tensor data."""
+    from zeroshard.toolkit.inspect import format_summary, inspect_checkpoint
+
+    info = inspect_checkpoint(ckpt, storage_options=storage_options)
+    click.echo(json.dumps(info, indent=2) if as_json else format_summary(info))
+
+
+@main.command()
+@click.argument("ckpt")
+@_common
+def verify(ckpt: str, storage_options: dict, quiet: bool) -> None:
+    """Check checkpoint CKPT completely; exit 0 only if everything holds.
+
+    Every rank file present with its recorded size; headers agree with the manifest; the
+    whole-file and every fragment hash match; fragments cover every element of every tensor
+    exactly once; no stray rank files. Lists every problem found (exit 3).
+    """
+    from zeroshard.toolkit.verify import verify as run
+
+    report = run(ckpt, storage_options=storage_options, quiet=quiet)
+    if report.ok:
+        click.echo(f"OK {report.location}: {report.files_checked} files, {report.tensors} tensors, "
+                   f"{report.bytes_checked:,} bytes verified")
+        return
+    for problem in report.problems:
+        click.echo(f"FAIL {problem}", err=True)
+    click.echo(f"zeroshard: verify found {len(report.problems)} problem(s) in {report.location}", err=True)
+    sys.exit(EXIT_VERIFY_FAILED)
+
+
+def _register_optional_commands() -> None:
+    try:
+        from zeroshard.estimate import estimate_command
+    except ImportError:
+        return
+    main.add_command(estimate_command, "estimate")
+
+
+main.help = (main.help or "") + "\n\n" + S3_HELP
+_register_optional_commands()

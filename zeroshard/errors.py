@@ -1,0 +1,33 @@
+"""Errors users see. Each names the file (or URL) concerned and what is wrong with it, in one line."""
+
+from __future__ import annotations
+
+
+class ZeroshardError(Exception):
+    """Base of every error zeroshard raises on purpose; the CLI prints these without a traceback."""
+
+
+class CheckpointError(ZeroshardError):
+    """A checkpoint (or a full-model source) is missing, incomplete, corrupt or inconsistent."""
+
+    def __init__(self, where: str, problem: str):
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{where}: {problem}")
+
+
+class StorageError(ZeroshardError):
+    """Reading or writing a path failed (missing object, permission, network, disk full)."""
+
+    def __init__(self, where: str, problem: str):
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{where}: {problem}")
+
+
+class OutputExistsError(ZeroshardError):
+    """The output already exists and overwriting was not asked for."""
+
+    def __init__(self, where: str):
+        self.where = where
+        super().__init__(f"{where}: already exists (pass --overwrite to replace it)")

@@ -1,0 +1,35 @@
+"""Checkpoint format v1 (docs/FORMAT.md): manifest, rank files, commit, reading and writing.
+
+Shared by the toolkit and the training core; built on zeroshard.storage and zeroshard.partition.
+"""
+
+from zeroshard.format.folder import (
+    commit_checkpoint,
+    load_manifest,
+    open_checkpoint,
+    prepare_output_folder,
+    resolve_checkpoint,
+    update_latest,
+)
+from zeroshard.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Fragment,
+    Manifest,
+    TensorEntry,
+    check_manifest,
+    parse_manifest,
+    rank_file_name,
+)
+from zeroshard.format.reader import CheckpointReader, check_header
+from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, owned_range, rank_contents, write_rank_file
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "CheckpointReader", "FileEntry", "Fragment",
+    "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header", "check_manifest",
+    "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest", "prepare_output_folder",
+    "rank_contents", "rank_file_name", "resolve_checkpoint", "update_latest", "write_rank_file",
+]

@@ -1,0 +1,84 @@
+"""Checkpoint folders: finding the checkpoint behind a path, committing one, moving `latest`.
+
+A checkpoint exists only once its manifest exists: writers put every rank file in place first
+and the manifest last (atomically), so a crash at any moment leaves either the previous state
+or a complete checkpoint. A root holding several checkpoints names the newest committed one in
+a `latest` file, which moves only after that commit.
+"""
+
+from __future__ import annotations
+
+import re
+
+from zeroshard.errors import CheckpointError, OutputExistsError
+from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, is_safe_file_name, parse_manifest
+from zeroshard.storage.location import Location
+
+_RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
+
+
+def resolve_checkpoint(location: Location) -> Location:
+    """The checkpoint folder a user path means: itself if it holds a manifest, else what its
+    `latest` names. Errors say what was found instead."""
+    if location.exists(MANIFEST_NAME):
+        return location
+    if location.exists(LATEST_NAME):
+        name = location.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
+        if not is_safe_file_name(name):
+            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name!r}, which is not a folder inside {location.url}")
+        target = location.child(name)
+        if not target.exists(MANIFEST_NAME):
+            raise CheckpointError(target.url, f"named by {LATEST_NAME} but holds no {MANIFEST_NAME}")
+        return target
+    if not location.exists():
+        raise CheckpointError(location.url, "no such checkpoint (path does not exist)")
+    rank_files = [n for n in location.list() if _RANK_FILE.match(n)]
+    if rank_files:
+        raise CheckpointError(location.url, f"incomplete checkpoint: {len(rank_files)} rank files but no "
+                                            f"{MANIFEST_NAME} (the save never committed)")
+    raise CheckpointError(location.url, f"not a zeroshard checkpoint: neither {MANIFEST_NAME} nor {LATEST_NAME} found")
+
+
+def load_manifest(location: Location) -> Manifest:
+    """Parse and validate the manifest of a (resolved) checkpoint folder."""
+    return parse_manifest(location.read_bytes(MANIFEST_NAME), location.url_of(MANIFEST_NAME))
+
+
+def open_checkpoint(url_or_location: str | Location, storage_options: dict | None = None) -> tuple[Location, Manifest]:
+    """Resolve a user path to a checkpoint folder and load its manifest."""
+    location = url_or_location if isinstance(url_or_location, Location) else Location(url_or_location, storage_options)
+    resolved = resolve_checkpoint(location)
+    return resolved, load_manifest(resolved)
+
+
+def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
+    """Make `location` ready to receive a new checkpoint; returns the names already there.
+
+    An existing, non-empty folder is refused unless `overwrite`. When overwriting, the old
+    manifest goes first, so the folder never looks like a complete checkpoint while it is
+    being rewritten; stale rank files are removed after the new manifest lands.
+    """
+    existing = location.list() if location.exists() else []
+    if existing and not overwrite:
+        raise OutputExistsError(location.url)
+    if MANIFEST_NAME in existing:
+        location.remove(MANIFEST_NAME)
+    location.makedirs()
+    return existing
+
+
+def commit_checkpoint(location: Location, manifest: Manifest, previous_names: list[str] = ()) -> None:
+    """Write the manifest (the commit), then delete files of an overwritten checkpoint that
+    the new one does not use."""
+    location.write_bytes(MANIFEST_NAME, manifest.to_json())
+    keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
+    for name in previous_names:
+        if name not in keep and (_RANK_FILE.match(name) or name.startswith(".zeroshard-tmp-")):
+            location.remove(name)
+
+
+def update_latest(root: Location, checkpoint_name: str) -> None:
+    """Point `root/latest` at `checkpoint_name` (a committed checkpoint folder inside root)."""
+    if not is_safe_file_name(checkpoint_name):
+        raise ValueError(f"checkpoint name {checkpoint_name!r} is not a plain folder name")
+    root.write_bytes(LATEST_NAME, (checkpoint_name + "\n").encode())

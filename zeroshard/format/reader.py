@@ -1,0 +1,163 @@
+"""Reading element ranges of global tensors out of a checkpoint's rank files.
+
+Only the bytes asked for are read (os.pread locally, HTTP range requests on S3). Each rank
+file's header is read once and checked against the manifest before any data is trusted.
+Fragment hashes are checked whenever a fragment is read front to back, across as many calls
+as it takes, which is how consolidate and reshard read; a mismatch is an error naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from zeroshard.errors import CheckpointError
+from zeroshard.format.manifest import FileEntry, Fragment, Manifest, TensorEntry
+from zeroshard.partition import pieces
+from zeroshard.storage.hashing import new_hasher
+from zeroshard.storage.location import Location, RangeReader
+from zeroshard.storage.safetensors_header import Header, read_header
+
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[str]:
+    """Disagreements between a rank file's header and the manifest, as messages."""
+    problems = []
+    meta = header.metadata
+    expected = {"format_version": manifest.version, "checkpoint_id": manifest.id,
+                "rank": str(file.rank), "world_size": str(manifest.world_size)}
+    for key, value in expected.items():
+        if key == "format_version":
+            if meta.get(key, "").split(".")[0] != value.split(".")[0]:
+                problems.append(f"header says format version {meta.get(key)!r}, manifest {value!r}")
+        elif meta.get(key) != value:
+            problems.append(f"header {key} is {meta.get(key)!r}, manifest expects {value!r}"
+                            + (" (a file from another save?)" if key == "checkpoint_id" else ""))
+    if header.file_size != file.size:
+        problems.append(f"header implies {header.file_size} bytes, manifest records {file.size}")
+    wanted = {}
+    for t in manifest.tensors.values():
+        for f in t.fragments:
+            if f.rank == file.rank:
+                wanted[t.name] = (t, f)
+    for name, (t, f) in wanted.items():
+        entry = header.entries.get(name)
+        if entry is None:
+            problems.append(f"tensor {name!r} is missing from the file")
+        elif entry.dtype != t.dtype:
+            problems.append(f"tensor {name!r} is {entry.dtype} in the file, {t.dtype} in the manifest")
+        elif entry.shape != (f.numel,):
+            problems.append(f"tensor {name!r} has shape {list(entry.shape)} in the file, manifest fragment has {f.numel} elements")
+    for name in header.entries:
+        if name not in wanted:
+            problems.append(f"tensor {name!r} is in the file but not in the manifest")
+    return problems
+
+
+class CheckpointReader:
+    """Ranged, verified reads from one checkpoint. Use as a context manager."""
+
+    def __init__(self, location: Location, manifest: Manifest, verify_hashes: bool = True):
+        self.location = location
+        self.manifest = manifest
+        self.verify_hashes = verify_hashes
+        self._files = {f.rank: f for f in manifest.files}
+        self._open: dict[int, tuple[RangeReader, Header]] = {}
+        # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
+        self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
+        self._unverified: set[tuple[str, int]] = set()
+        self.bytes_read = 0
+
+    def _file(self, rank: int) -> tuple[RangeReader, Header]:
+        if rank not in self._open:
+            file = self._files[rank]
+            reader = self.location.open_reader(file.name)
+            try:
+                size = self.location.size(file.name)
+                if size != file.size:
+                    problem = "truncated" if size < file.size else "longer than recorded"
+                    raise CheckpointError(reader.where, f"file is {problem}: {size} bytes, manifest records {file.size}")
+                header = read_header(reader, size)
+                problems = check_header(header, file, self.manifest)
+                if problems:
+                    raise CheckpointError(reader.where, problems[0])
+            except BaseException:
+                reader.close()
+                raise
+            self._open[rank] = (reader, header)
+        return self._open[rank]
+
+    def where(self, rank: int) -> str:
+        return self.location.url_of(self._files[rank].name)
+
+    def read_into(self, tensor: TensorEntry, start: int, buffer: memoryview) -> None:
+        """Fill `buffer` with tensor elements starting at flat index `start` (len must be a
+        multiple of the item size)."""
+        size = tensor.itemsize
+        end = start + len(buffer) // size
+        ranges = [(f.start, f.end) for f in tensor.fragments]
+        try:
+            plan = pieces((start, end), ranges)
+        except ValueError as exc:
+            raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: {exc}") from None
+        for piece in plan:
+            fragment = tensor.fragments[piece.source]
+            reader, header = self._file(fragment.rank)
+            entry = header.entries[tensor.name]
+            out = buffer[piece.target_offset * size:(piece.target_offset + piece.length) * size]
+            offset = piece.source_offset * size
+            reader.read_into(entry.begin + offset, out)
+            self.bytes_read += len(out)
+            if self.verify_hashes:
+                self._hash(tensor.name, fragment, offset, out)
+
+    def iter_range(self, tensor: TensorEntry, start: int, end: int,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[memoryview]:
+        """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`.
+
+        The yielded views share one buffer: use each before asking for the next.
+        """
+        size = tensor.itemsize
+        step = max(1, chunk_bytes // size)
+        buffer = memoryview(bytearray(min(step, max(end - start, 0)) * size))
+        for chunk_start in range(start, end, step):
+            n = min(step, end - chunk_start)
+            view = buffer[:n * size]
+            self.read_into(tensor, chunk_start, view)
+            yield view
+
+    def _hash(self, name: str, fragment: Fragment, offset: int, data: memoryview) -> None:
+        key = (name, fragment.rank)
+        if key in self._unverified:
+            return
+        hasher, expected = self._hashing.get(key, (None, 0))
+        if offset != expected:  # not read front to back: this fragment cannot be checked here
+            self._hashing.pop(key, None)
+            self._unverified.add(key)
+            return
+        if hasher is None:
+            hasher = new_hasher()
+        hasher.update(data)
+        position = offset + len(data)
+        if position == fragment.numel * self.manifest.tensors[name].itemsize:
+            self._hashing.pop(key, None)
+            if hasher.hexdigest() != fragment.hash:
+                raise CheckpointError(self.where(fragment.rank),
+                                      f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+        else:
+            self._hashing[key] = (hasher, position)
+
+    @property
+    def fragments_unverified(self) -> int:
+        return len(self._unverified) + len(self._hashing)
+
+    def close(self) -> None:
+        for reader, _ in self._open.values():
+            reader.close()
+        self._open.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""Who owns which elements: the one partition rule shared by the training core and the files.
+
+A tensor is flattened (row-major) and cut into `world_size` contiguous chunks of
+`ceil(numel / world_size)` elements; rank r owns chunk r, clipped to the tensor's end. Trailing
+ranks may own nothing. Equal chunk sizes are what collectives want (gloo has no uneven
+all_gather), so training pads every chunk to `chunk_size` and files store only real elements.
+
+Pure arithmetic: no I/O, no torch, no process group. Reshard and load-time reshard are range
+intersections computed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+Range = tuple[int, int]  # half-open [start, end) in flat element indices
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """Elements per rank's (padded) chunk of a tensor of `numel` elements."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return -(-numel // world_size)
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> Range:
+    """The flat element range rank `rank` owns; empty (start == end) when it owns nothing."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    size = chunk_size(numel, world_size)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel)
+
+
+def shard_ranges(numel: int, world_size: int) -> list[Range]:
+    """Every rank's range, in rank order. They tile [0, numel) exactly."""
+    return [shard_range(numel, world_size, r) for r in range(world_size)]
+
+
+def intersect(a: Range, b: Range) -> Range | None:
+    """The common part of two ranges, or None when they do not overlap."""
+    start, end = max(a[0], b[0]), min(a[1], b[1])
+    return (start, end) if start < end else None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` elements copied from source `source` (at `source_offset` inside that source's
+    range) to `target_offset` inside the target range."""
+
+    source: int
+    source_offset: int
+    target_offset: int
+    length: int
+
+
+def pieces(target: Range, sources: Sequence[Range]) -> list[Piece]:
+    """How to assemble `target` from the `sources` ranges (any order, any sizes).
+
+    Returns the pieces in target order. Raises ValueError when the sources leave part of the
+    target uncovered or overlap inside it: a target is assembled from each element exactly once.
+    """
+    found: list[Piece] = []
+    for index, source in enumerate(sources):
+        common = intersect(target, source)
+        if common is not None:
+            found.append(Piece(index, common[0] - source[0], common[0] - target[0], common[1] - common[0]))
+    found.sort(key=lambda p: p.target_offset)
+    cursor = 0
+    for piece in found:
+        if piece.target_offset != cursor:
+            kind = "overlap" if piece.target_offset < cursor else "gap"
+            at = target[0] + min(cursor, piece.target_offset)
+            raise ValueError(f"sources {kind} at element {at} of range {target}")
+        cursor += piece.length
+    if cursor != target[1] - target[0]:
+        raise ValueError(f"sources leave a gap at element {target[0] + cursor} of range {target}")
+    return found
+
+
+def check_tiling(ranges: Iterable[Range], numel: int) -> None:
+    """Raise ValueError unless the non-empty `ranges` cover [0, numel) exactly once."""
+    nonempty = sorted(r for r in ranges if r[1] > r[0])
+    cursor = 0
+    for start, end in nonempty:
+        if start < 0 or end > numel:
+            raise ValueError(f"range [{start}, {end}) is outside [0, {numel})")
+        if start < cursor:
+            raise ValueError(f"ranges overlap at element {start}")
+        if start > cursor:
+            raise ValueError(f"elements [{cursor}, {start}) are not covered")
+        cursor = end
+    if cursor != numel:
+        raise ValueError(f"elements [{cursor}, {numel}) are not covered")

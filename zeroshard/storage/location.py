@@ -1,0 +1,285 @@
+"""A folder on local disk or S3, reached through fsspec, with ranged reads and atomic writes.
+
+Everything above this module speaks in names relative to a folder; this module alone knows
+about fsspec, file handles, temp names and multipart uploads. Every failure below is turned
+into a StorageError that names the URL.
+
+Atomic writes: locally a file is written under a temp name in the same folder, fsynced, and
+renamed into place; on S3 a multipart upload is completed only on success and aborted on
+failure, so an object never appears half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import uuid
+from typing import Any, Iterator, Mapping
+
+import fsspec
+
+from zeroshard.errors import StorageError
+
+_TEMP_PREFIX = ".zeroshard-tmp-"
+
+
+def _boto_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from botocore.exceptions import BotoCoreError
+
+        return (BotoCoreError,)
+    except ImportError:  # botocore comes with s3fs; only absent in stripped installs
+        return ()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "not found"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory"
+    text = str(exc).strip() or type(exc).__name__
+    if getattr(exc, "errno", None) == 28:
+        text = "no space left on device"
+    return text.splitlines()[0][:300]
+
+
+@contextlib.contextmanager
+def storage_errors(where: str) -> Iterator[None]:
+    """Turn OSError and S3 client errors raised inside into a StorageError naming `where`."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except (OSError, *_boto_errors()) as exc:
+        raise StorageError(where, _describe(exc)) from exc
+
+
+def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """`key=value` strings (from --storage-option) into fsspec options.
+
+    Values are JSON-decoded when they parse (numbers, true/false, objects) so that nested
+    options such as client_kwargs={"region_name": "x"} work; otherwise kept as strings.
+    """
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"storage option {pair!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+class Location:
+    """A folder that may not exist yet, on any fsspec filesystem."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
+        self.url = url.rstrip("/") or url
+        self.storage_options = dict(storage_options or {})
+        with storage_errors(url):
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.local = "file" in _protocols(self.fs)
+
+    # ---- naming -------------------------------------------------------------------------
+    def url_of(self, name: str = "") -> str:
+        """The user-facing URL of `name` inside this folder (for messages)."""
+        return f"{self.url}/{name}" if name else self.url
+
+    def _full(self, name: str) -> str:
+        return posixpath.join(self.path, name) if name else self.path
+
+    def child(self, name: str) -> "Location":
+        loc = Location.__new__(Location)
+        loc.url, loc.storage_options, loc.fs, loc.local = self.url_of(name), self.storage_options, self.fs, self.local
+        loc.path = self._full(name)
+        return loc
+
+    # ---- queries ------------------------------------------------------------------------
+    def exists(self, name: str = "") -> bool:
+        with storage_errors(self.url_of(name)):
+            return bool(self.fs.exists(self._full(name)))
+
+    def isdir(self, name: str = "") -> bool:
+        with storage_errors(self.url_of(name)):
+            return bool(self.fs.isdir(self._full(name)))
+
+    def size(self, name: str) -> int:
+        with storage_errors(self.url_of(name)):
+            return int(self.fs.size(self._full(name)))
+
+    def list(self) -> list[str]:
+        """Names directly inside this folder; empty when it does not exist."""
+        with storage_errors(self.url):
+            try:
+                entries = self.fs.ls(self.path, detail=False, refresh=True) if not self.local else self.fs.ls(self.path, detail=False)
+            except FileNotFoundError:
+                return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    # ---- reading ------------------------------------------------------------------------
+    def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        with storage_errors(self.url_of(name)):
+            return self.fs.cat_file(self._full(name), start=start, end=end)
+
+    def open_reader(self, name: str) -> "RangeReader":
+        return RangeReader(self, name)
+
+    # ---- writing ------------------------------------------------------------------------
+    def makedirs(self) -> None:
+        if self.local:
+            with storage_errors(self.url):
+                os.makedirs(self.path, exist_ok=True)
+
+    def atomic_writer(self, name: str) -> "AtomicWriter":
+        return AtomicWriter(self, name)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write a whole small file atomically."""
+        with self.atomic_writer(name) as out:
+            out.write(data)
+
+    def remove(self, name: str, recursive: bool = False) -> None:
+        with storage_errors(self.url_of(name)):
+            path = self._full(name)
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=recursive)
+
+    def remove_stale_temps(self) -> None:
+        """Delete temp files a killed writer left in this (local) folder."""
+        if self.local:
+            for name in self.list():
+                if name.startswith(_TEMP_PREFIX):
+                    self.remove(name)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+class RangeReader:
+    """Ranged reads of one file: os.pread locally (no buffering, no copies), GET ranges on S3."""
+
+    def __init__(self, location: Location, name: str):
+        self.where = location.url_of(name)
+        self._location, self._name = location, name
+        self._fd: int | None = None
+        if location.local:
+            with storage_errors(self.where):
+                self._fd = os.open(location._full(name), os.O_RDONLY)
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the bytes at [offset, offset + len(buffer)); short reads are errors."""
+        want = len(buffer)
+        if self._fd is not None:
+            got = 0
+            with storage_errors(self.where):
+                while got < want:
+                    n = os.preadv(self._fd, [buffer[got:]], offset + got)
+                    if n == 0:
+                        break
+                    got += n
+        else:
+            data = self._location.read_bytes(self._name, offset, offset + want)
+            got = len(data)
+            buffer[:got] = data
+        if got != want:
+            raise StorageError(self.where, f"file is truncated: wanted bytes [{offset}, {offset + want}), got {got}")
+
+    def read(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        self.read_into(offset, memoryview(buffer))
+        return bytes(buffer)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AtomicWriter:
+    """A file that appears under its name only if the `with` block finishes without error."""
+
+    def __init__(self, location: Location, name: str):
+        self.where = location.url_of(name)
+        self._location, self._name = location, name
+        self._file: Any = None
+        self._temp: str | None = None
+        self.bytes_written = 0
+
+    def __enter__(self) -> "AtomicWriter":
+        loc = self._location
+        with storage_errors(self.where):
+            if loc.local:
+                loc.makedirs()
+                self._temp = loc._full(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{self._name}")
+                self._file = open(self._temp, "wb", buffering=0)
+            else:
+                self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)
+        return self
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        with storage_errors(self.where):
+            view = memoryview(data).cast("B")
+            while view:  # raw local files may write partially
+                n = self._file.write(view)
+                n = len(view) if n is None else n
+                self.bytes_written += n
+                view = view[n:]
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self._commit()
+        else:
+            self._discard()
+
+    def _commit(self) -> None:
+        loc = self._location
+        try:
+            with storage_errors(self.where):
+                if loc.local:
+                    os.fsync(self._file.fileno())
+                    self._file.close()
+                    os.replace(self._temp, loc._full(self._name))
+                    self._temp = None
+                    _fsync_dir(loc.path)
+                else:
+                    self._file.close()
+                    self._file.commit()
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        loc = self._location
+        with contextlib.suppress(Exception):
+            if loc.local:
+                if self._file is not None and not self._file.closed:
+                    self._file.close()
+                if self._temp is not None and os.path.exists(self._temp):
+                    os.unlink(self._temp)
+            elif self._file is not None:
+                self._file.discard()
+                self._file.closed = True  # nothing left to flush; stops __del__ from uploading
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,144 @@
+"""safetensors headers, read and written without the tensor data.
+
+A safetensors file is: 8 bytes little-endian u64 N, then N bytes of JSON (padded with spaces to
+a multiple of 8), then the data. The JSON maps each tensor name to {"dtype", "shape",
+"data_offsets": [begin, end]} relative to the start of the data, plus an optional
+"__metadata__" of string to string. Parsing here validates everything a reader relies on, so
+a corrupt header is a one-line error, not a crash later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.errors import CheckpointError
+from zeroshard.storage.location import RangeReader
+
+# Headers above this are refused as corrupt: real ones are ~100 bytes per tensor.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+
+_TORCH_BY_NAME: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _TORCH_BY_NAME[_name] = getattr(torch, _attr)
+_NAME_BY_TORCH = {v: k for k, v in _TORCH_BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype ("F32", "BF16", ...)."""
+    try:
+        return _NAME_BY_TORCH[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no safetensors equivalent") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown safetensors dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offset from the start of the file (not of the data section)
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    data_start: int  # 8 + header length
+    file_size: int  # what the header implies: data_start + end of the last tensor
+
+
+def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
+    """The header bytes for tensors laid out back to back in the given order.
+
+    Returns the bytes (length prefix included) and each tensor's absolute byte range.
+    """
+    table: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    relative: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, dtype, shape in tensors:
+        if name in relative or name == "__metadata__":
+            raise ValueError(f"duplicate or reserved tensor name {name!r}")
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        relative[name] = (dtype, tuple(shape), offset, offset + nbytes)
+        offset += nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    data_start = 8 + len(text)
+    entries = {n: HeaderEntry(d, s, data_start + b, data_start + e) for n, (d, s, b, e) in relative.items()}
+    return struct.pack("<Q", len(text)) + text, entries
+
+
+def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header:
+    """Validate and parse header JSON bytes (without the 8-byte prefix)."""
+    try:
+        table = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(where, f"safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(table, dict):
+        raise CheckpointError(where, "safetensors header is not a JSON object")
+    data_start = 8 + len(raw)
+    metadata = table.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(where, "safetensors __metadata__ must map strings to strings")
+    entries: dict[str, HeaderEntry] = {}
+    for name, info in table.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = dtype in DTYPE_SIZES and all(isinstance(d, int) and d >= 0 for d in shape)
+            ok = ok and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(where, f"safetensors header entry {name!r} is malformed")
+        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise CheckpointError(where, f"tensor {name!r}: byte range does not match its dtype and shape")
+        entries[name] = HeaderEntry(dtype, shape, data_start + begin, data_start + end)
+    # Tensors must tile the data section: no overlaps, no gaps (what safetensors itself checks).
+    cursor = data_start
+    for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if entry.begin != cursor:
+            raise CheckpointError(where, f"tensor {name!r} does not start where the previous one ends")
+        cursor = entry.end
+    if file_size is not None and cursor != file_size:
+        problem = "truncated" if file_size < cursor else "longer than its header says"
+        raise CheckpointError(where, f"file is {problem}: header implies {cursor} bytes, file has {file_size}")
+    return Header(entries, metadata, data_start, cursor)
+
+
+def read_header(reader: RangeReader, file_size: int) -> Header:
+    """Read and validate the header of an open file of known size."""
+    where = reader.where
+    if file_size < 8:
+        raise CheckpointError(where, f"file is truncated: {file_size} bytes, not even a header length")
+    (length,) = struct.unpack("<Q", reader.read(0, 8))
+    if length > MAX_HEADER_BYTES or 8 + length > file_size:
+        raise CheckpointError(where, f"absurd safetensors header length {length} for a file of {file_size} bytes")
+    return parse_header(reader.read(8, length), where, file_size)

@@ -1,0 +1,62 @@
+"""Write a safetensors file front to back without holding its tensors: header first (computed
+from names, dtypes and shapes), then the data bytes in order, hashed on the way out.
+
+The caller streams bytes with `write()`; the file and every tensor are hashed in the same pass.
+The file is committed atomically on a clean exit, and only if exactly the announced bytes were
+written.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from zeroshard.errors import StorageError
+from zeroshard.storage.hashing import SegmentHasher
+from zeroshard.storage.location import AtomicWriter, Location
+from zeroshard.storage.safetensors_header import build_header
+
+
+class SafetensorsStreamWriter:
+    """`with SafetensorsStreamWriter(loc, name, tensors, metadata) as w: w.write(bytes)...`
+
+    After the block: `size`, `file_hash` and `tensor_hashes` (name -> hex) describe the file.
+    """
+
+    def __init__(self, location: Location, name: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str]):
+        self.where = location.url_of(name)
+        self._header, entries = build_header(list(tensors), metadata)
+        self.size = max((e.end for e in entries.values()), default=len(self._header))
+        self._hasher = SegmentHasher([(e.begin, e.end, n) for n, e in entries.items()])
+        self._out = AtomicWriter(location, name)
+        self.file_hash = ""
+        self.tensor_hashes: dict[str, str] = {}
+
+    def __enter__(self) -> "SafetensorsStreamWriter":
+        self._out.__enter__()
+        try:
+            self._write(memoryview(self._header))
+        except BaseException as exc:
+            self._out.__exit__(type(exc), exc, None)
+            raise
+        return self
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append the next bytes of tensor data (may span tensor boundaries)."""
+        view = memoryview(data).cast("B")
+        if self._hasher.offset + len(view) > self.size:
+            raise StorageError(self.where, f"writer bug: {self._hasher.offset + len(view)} bytes written into a {self.size}-byte file")
+        self._write(view)
+
+    def _write(self, view: memoryview) -> None:
+        self._hasher.update(view)
+        self._out.write(view)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None and self._hasher.offset != self.size:
+            error = StorageError(self.where, f"incomplete: {self._hasher.offset} of {self.size} bytes written")
+            self._out.__exit__(StorageError, error, tb)
+            raise error
+        self.file_hash = self._hasher.hexdigest
+        self.tensor_hashes = dict(self._hasher.segment_hashes)
+        self._out.__exit__(exc_type, exc, tb)

@@ -1,0 +1,54 @@
+"""`zeroshard shard`: a full model into an N-rank checkpoint (weights only, no optimizer state).
+
+Each rank file is streamed from ranged reads of the source: memory stays at one copy buffer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import ExitStack
+
+from zeroshard.errors import ZeroshardError
+from zeroshard.format import TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder, rank_contents, write_rank_file
+from zeroshard.format.manifest import Manifest
+from zeroshard.storage.location import Location
+from zeroshard.toolkit.progress import byte_bar
+from zeroshard.toolkit.source import SourceTensor, open_full_model, read_source_range
+
+CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
+          quiet: bool = True) -> Manifest:
+    """Write the model at `src` as a `world_size`-rank checkpoint at `out`; returns its manifest."""
+    if world_size < 1:
+        raise ZeroshardError(f"--world must be at least 1, got {world_size}")
+    folder, tensors = open_full_model(src, storage_options)
+    by_name = {t.name: t for t in tensors}
+    specs = [TensorSpec(t.name, "param", t.dtype, t.shape, "flat" if t.shape else "whole") for t in tensors]
+    target = Location(out, storage_options)
+    previous = prepare_output_folder(target, overwrite)
+    checkpoint_id = uuid.uuid4().hex
+    total = sum(t.end - t.begin for t in tensors)
+    with ExitStack() as stack:
+        readers = {}
+
+        def fill(spec: TensorSpec, start: int, end: int, write) -> None:
+            source: SourceTensor = by_name[spec.name]
+            if source.file not in readers:
+                readers[source.file] = stack.enter_context(folder.open_reader(source.file))
+
+            def write_and_count(view: memoryview) -> None:
+                write(view)
+                bar.update(len(view))
+
+            read_source_range(readers[source.file], source, start, end, CHUNK_BYTES, write_and_count)
+
+        with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
+            results = [write_rank_file(target, checkpoint_id, rank, world_size,
+                                       rank_contents(specs, world_size, rank), fill)
+                       for rank in range(world_size)]
+    manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
+                              extra={"source": src})
+    commit_checkpoint(target, manifest, previous)
+    return manifest

@@ -1,0 +1,96 @@
+"""Full (unsharded) models on disk: one `.safetensors` file, or an HF-style folder of shards
+with `model.safetensors.index.json`. Only headers are read here; data comes by ranged reads.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+
+from zeroshard.errors import CheckpointError
+from zeroshard.format.manifest import is_safe_file_name
+from zeroshard.storage.location import Location, RangeReader
+from zeroshard.storage.safetensors_header import DTYPE_SIZES, read_header
+
+HF_INDEX_NAME = "model.safetensors.index.json"
+HF_SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # name inside the source folder
+    begin: int  # absolute byte offsets in that file
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+def split_file_url(url: str) -> tuple[str, str]:
+    """`s3://b/x/model.safetensors` -> (`s3://b/x`, `model.safetensors`); a bare name -> (`.`, name)."""
+    parent, name = posixpath.split(url.rstrip("/"))
+    return parent or ".", name
+
+
+def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Location, list[SourceTensor]]:
+    """The folder holding the model's files, and its tensors in file order."""
+    target = Location(url, storage_options)
+    if target.exists() and not target.isdir():
+        parent, name = split_file_url(url)
+        folder = Location(parent, storage_options)
+        return folder, _file_tensors(folder, name)
+    if target.exists(HF_INDEX_NAME):
+        return target, _indexed_tensors(target)
+    if target.exists(HF_SINGLE_NAME):
+        return target, _file_tensors(target, HF_SINGLE_NAME)
+    if not target.exists():
+        raise CheckpointError(url, "no such file or folder")
+    raise CheckpointError(url, f"not a full model: expected a .safetensors file, or a folder with {HF_INDEX_NAME} or {HF_SINGLE_NAME}")
+
+
+def _file_tensors(folder: Location, name: str) -> list[SourceTensor]:
+    size = folder.size(name)
+    with folder.open_reader(name) as reader:
+        header = read_header(reader, size)
+    entries = sorted(header.entries.items(), key=lambda kv: kv[1].begin)
+    return [SourceTensor(n, e.dtype, e.shape, name, e.begin, e.end) for n, e in entries]
+
+
+def _indexed_tensors(folder: Location) -> list[SourceTensor]:
+    where = folder.url_of(HF_INDEX_NAME)
+    try:
+        weight_map = json.loads(folder.read_bytes(HF_INDEX_NAME))["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(where, "not a valid index: expected a JSON object with a 'weight_map'") from None
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        if not isinstance(name, str) or not is_safe_file_name(name):
+            raise CheckpointError(where, f"weight_map names {name!r}, which is not a plain file name in the folder")
+    out: list[SourceTensor] = []
+    for name in files:
+        for tensor in _file_tensors(folder, name):
+            if weight_map.get(tensor.name) == name:
+                out.append(tensor)
+    missing = set(weight_map) - {t.name for t in out}
+    if missing:
+        raise CheckpointError(where, f"{len(missing)} tensors in weight_map are not in their files, e.g. {sorted(missing)[0]!r}")
+    return out
+
+
+def read_source_range(reader: RangeReader, tensor: SourceTensor, start: int, end: int, chunk_bytes: int,
+                      write) -> None:
+    """Stream the bytes of elements [start, end) of `tensor` to `write`, chunk by chunk."""
+    size = tensor.itemsize
+    step = max(1, chunk_bytes // size) * size
+    first, last = tensor.begin + start * size, tensor.begin + end * size
+    buffer = memoryview(bytearray(min(step, last - first)))
+    for offset in range(first, last, step):
+        view = buffer[:min(step, last - offset)]
+        reader.read_into(offset, view)
+        write(view)
