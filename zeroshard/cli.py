@@ -195,3 +195,7 @@ def _register_optional_commands() -> None:
 
 main.help = (main.help or "") + "\n\n" + S3_HELP
 _register_optional_commands()
+
+
+if __name__ == "__main__":
+    main()

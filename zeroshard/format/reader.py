@@ -111,6 +111,18 @@ class CheckpointReader:
             if self.verify_hashes:
                 self._hash(tensor.name, fragment, offset, out)
 
+    def read_flat(self, tensor: TensorEntry, start: int = 0, end: int | None = None) -> "torch.Tensor":
+        """Elements [start, end) of a global tensor as a new 1-D torch tensor."""
+        import torch
+
+        from zeroshard.storage.safetensors_header import torch_dtype
+
+        end = tensor.numel if end is None else end
+        out = torch.empty(end - start, dtype=torch_dtype(tensor.dtype))
+        if end > start:
+            self.read_into(tensor, start, memoryview(out.view(torch.uint8).numpy()))
+        return out
+
     def iter_range(self, tensor: TensorEntry, start: int, end: int,
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[memoryview]:
         """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`.

@@ -1,0 +1,56 @@
+"""Shared fixtures: a real local S3 endpoint (moto's server in a subprocess, as s3fs's own tests
+do) and small checkpoints made through the public format API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Start tools/s3_server.py on a free 127.0.0.1 port; point AWS_* at it for this session."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "s3_server.py"), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        if not line.startswith("S3 endpoint "):
+            raise RuntimeError(f"moto server did not start: {line!r}")
+        endpoint = line.split()[-1]
+        saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                "AWS_DEFAULT_REGION")}
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                          AWS_DEFAULT_REGION="us-east-1")
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh, empty bucket: returns its s3:// URL."""
+    import boto3
+
+    name = f"zs-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    yield f"s3://{name}"
+
+
+@pytest.fixture
+def s3_client(s3_endpoint):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")

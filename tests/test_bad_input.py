@@ -1,0 +1,219 @@
+"""Bad input gets a one-line error naming the file and the problem, a non-zero exit, and nothing
+that looks complete is left behind."""
+
+import json
+import os
+import resource
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from checkpoints import odd_model, save_model, training_state, write_checkpoint
+from zeroshard.cli import main
+
+RANK1 = "rank-00001-of-00003.safetensors"
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(main, ["-h"] if not args else list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3)
+    return tmp_path / "ckpt"
+
+
+def edit_manifest(ckpt: Path, change) -> None:
+    doc = json.loads((ckpt / "zeroshard.json").read_text())
+    change(doc)
+    (ckpt / "zeroshard.json").write_text(json.dumps(doc))
+
+
+def assert_one_line_error(code, output, *needles, exit_code=1):
+    assert code == exit_code, output
+    assert "Traceback" not in output
+    for needle in needles:
+        assert needle in output, output
+
+
+ALL_READERS = [("verify",), ("consolidate", "{out}"), ("reshard", "--to", "2", "-o", "{out}")]
+
+
+def run_reader(command, ckpt: Path):
+    out = str(ckpt.parent / f"out-{command[0]}.safetensors")
+    args = [a.format(out=out) for a in command]
+    return (*run_cli(args[0], "-q", str(ckpt), *args[1:]), Path(out))
+
+
+@pytest.mark.parametrize("command", ALL_READERS)
+def test_missing_rank_file(ckpt, command):
+    (ckpt / RANK1).unlink()
+    code, output, out = run_reader(command, ckpt)
+    assert_one_line_error(code, output, RANK1, exit_code=3 if command[0] == "verify" else 1)
+    assert not out.exists() or command[0] == "reshard" and not (out / "zeroshard.json").exists()
+
+
+@pytest.mark.parametrize("command", ALL_READERS)
+def test_truncated_rank_file(ckpt, command):
+    data = (ckpt / RANK1).read_bytes()
+    (ckpt / RANK1).write_bytes(data[:-10])
+    code, output, out = run_reader(command, ckpt)
+    assert_one_line_error(code, output, RANK1, "truncated", exit_code=3 if command[0] == "verify" else 1)
+    assert not out.exists() or command[0] == "reshard" and not (out / "zeroshard.json").exists()
+
+
+def flip_byte_in(path: Path, tensor: str) -> None:
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8:8 + length])[tensor]["data_offsets"]
+    data[8 + length + (begin + end) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("command", ALL_READERS)
+def test_flipped_byte_is_a_hash_mismatch(ckpt, command):
+    flip_byte_in(ckpt / RANK1, "embed.weight")
+    code, output, out = run_reader(command, ckpt)
+    assert_one_line_error(code, output, RANK1, "hash mismatch", exit_code=3 if command[0] == "verify" else 1)
+    assert not out.exists() or command[0] == "reshard" and not (out / "zeroshard.json").exists()
+
+
+def test_flipped_byte_in_weights_stops_consolidate(tmp_path):
+    save_model(odd_model(), tmp_path / "m.safetensors")
+    run_cli("shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "ckpt"), "--world", "2")
+    path = tmp_path / "ckpt" / "rank-00000-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    code, output = run_cli("consolidate", "-q", str(tmp_path / "ckpt"), str(tmp_path / "o.safetensors"))
+    assert_one_line_error(code, output, "rank-00000-of-00002.safetensors", "hash mismatch")
+    assert not (tmp_path / "o.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".zeroshard-tmp")]
+
+
+def test_extra_rank_file(ckpt):
+    (ckpt / "rank-00003-of-00003.safetensors").write_bytes((ckpt / RANK1).read_bytes())
+    code, output = run_cli("verify", "-q", str(ckpt))
+    assert_one_line_error(code, output, "rank-00003-of-00003.safetensors", "extra rank file", exit_code=3)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d["tensors"]["embed.weight"]["fragments"].__setitem__(0, [0, 0, 10**9, "x"]), "out of range"),
+    (lambda d: d["tensors"]["embed.weight"]["fragments"][1].__setitem__(1, 100), "overlap"),
+    (lambda d: d["tensors"]["embed.weight"]["fragments"][1].__setitem__(1, 140), "not covered"),
+    (lambda d: d["tensors"]["embed.weight"]["fragments"].pop(), "not covered"),
+    (lambda d: d.__setitem__("version", "2.0"), "not supported"),
+    (lambda d: d["files"][1].__setitem__("name", "../../etc/passwd"), "escapes"),
+    (lambda d: d["files"][1].__setitem__("name", "/abs/rank.safetensors"), "escapes"),
+    (lambda d: d["files"].pop(), "one per rank"),
+    (lambda d: d.__setitem__("world_size", 5), "one per rank"),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("dtype", "F16"), "F16"),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", [38, 11]), "embed.weight"),
+    (lambda d: d.__setitem__("format", "something-else"), "not a zeroshard manifest"),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("dtype", "Q4"), "unknown dtype"),
+])
+def test_bad_manifest(ckpt, change, needle):
+    edit_manifest(ckpt, change)
+    for command in ("verify", "inspect", "consolidate"):
+        args = [command, str(ckpt)] + ([str(ckpt.parent / "o.safetensors")] if command == "consolidate" else [])
+        code, output = run_cli(*args)
+        if command == "inspect" and code == 0:
+            continue  # inspect reads the manifest only: a dtype/shape disagreement with a header is not its business
+        assert code in (1, 3), (command, output)
+        assert "Traceback" not in output and needle in output, (command, output)
+        assert "zeroshard.json" in output or ".safetensors" in output, output
+    assert not (ckpt.parent / "o.safetensors").exists()
+
+
+def test_manifest_not_json_or_duplicate_keys(ckpt):
+    text = (ckpt / "zeroshard.json").read_text()
+    (ckpt / "zeroshard.json").write_text(text.replace('"world_size": 3,', '"world_size": 3, "world_size": 3,'))
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "zeroshard.json", "duplicate key")
+    (ckpt / "zeroshard.json").write_text(text[:100])
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "zeroshard.json", "not valid JSON")
+
+
+def test_absurd_header_length(ckpt):
+    data = (ckpt / RANK1).read_bytes()
+    (ckpt / RANK1).write_bytes(struct.pack("<Q", 2**62) + data[8:])
+    code, output = run_cli("verify", str(ckpt))
+    assert_one_line_error(code, output, RANK1, "absurd safetensors header length", exit_code=3)
+
+
+def test_header_from_another_save(ckpt, tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "other"), specs, data, 3)
+    (ckpt / RANK1).write_bytes((tmp_path / "other" / RANK1).read_bytes())
+    code, output = run_cli("consolidate", str(ckpt), str(tmp_path / "o.safetensors"))
+    assert code == 1 and RANK1 in output and ("another save" in output or "records" in output), output
+
+
+def test_incomplete_checkpoint_and_bad_latest(ckpt, tmp_path):
+    (ckpt / "zeroshard.json").unlink()
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "incomplete checkpoint", "never committed")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "latest").write_text("../ckpt\n")
+    code, output = run_cli("inspect", str(tmp_path / "root"))
+    assert_one_line_error(code, output, "latest", "not a folder inside")
+    code, output = run_cli("inspect", str(tmp_path / "nowhere"))
+    assert_one_line_error(code, output, "nowhere", "does not exist")
+
+
+def test_existing_output_is_refused_unless_overwrite(ckpt, tmp_path):
+    target = tmp_path / "o.safetensors"
+    target.write_bytes(b"precious")
+    code, output = run_cli("consolidate", "-q", str(ckpt), str(target))
+    assert_one_line_error(code, output, "already exists", "--overwrite")
+    assert target.read_bytes() == b"precious"
+    code, output = run_cli("consolidate", "-q", "--overwrite", str(ckpt), str(target))
+    assert code == 0, output
+    code, output = run_cli("reshard", "-q", str(ckpt), "--to", "2", "-o", str(ckpt))
+    assert code == 1 and "differ" in output
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    code, output = run_cli("reshard", "-q", str(ckpt), "--to", "2", "-o", str(tmp_path / "taken"))
+    assert_one_line_error(code, output, "already exists")
+
+
+def _cli_with_file_size_limit(limit: int, *args) -> subprocess.CompletedProcess:
+    """Run the CLI where writes beyond `limit` bytes fail (EFBIG), as on a full disk."""
+    def limit_writes():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return subprocess.run([sys.executable, "-m", "zeroshard.cli", *args], capture_output=True, text=True,
+                          preexec_fn=limit_writes, timeout=120)
+
+
+def test_output_failing_half_way_leaves_nothing_complete(tmp_path):
+    model = {f"w{i}": __import__("torch").randn(256, 256) for i in range(4)}  # 1 MiB
+    save_model(model, tmp_path / "m.safetensors")
+    assert run_cli("shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "ckpt"), "--world", "2")[0] == 0
+    result = _cli_with_file_size_limit(300_000, "consolidate", "-q", str(tmp_path / "ckpt"), str(tmp_path / "o.safetensors"))
+    assert result.returncode == 1, result.stderr
+    assert "o.safetensors" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "m.safetensors"]
+    result = _cli_with_file_size_limit(300_000, "reshard", "-q", str(tmp_path / "ckpt"), "--to", "1", "-o", str(tmp_path / "r1"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "r1" / "zeroshard.json").exists()
+    assert not [p for p in (tmp_path / "r1").iterdir() if p.name.startswith("rank-")]  # temp files were removed
+    # the input is untouched and still verifies
+    assert run_cli("verify", "-q", str(tmp_path / "ckpt"))[0] == 0
+
+
+def test_help_teaches(tmp_path):
+    code, output = run_cli("--help")
+    assert code == 0 and "reshard" in output and "s3://" in output
+    for command in ("shard", "consolidate", "reshard", "inspect", "verify"):
+        code, output = run_cli(command, "--help")
+        assert code == 0 and "--storage-option" in output and "--quiet" in output, command

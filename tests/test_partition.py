@@ -1,0 +1,63 @@
+import pytest
+
+from zeroshard.partition import Piece, check_tiling, chunk_size, pieces, shard_range, shard_ranges
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 5, 7, 16, 17, 1000, 1001])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 33])
+def test_ranges_tile_exactly_with_equal_chunks(numel, world):
+    ranges = shard_ranges(numel, world)
+    assert len(ranges) == world
+    check_tiling(ranges, numel)
+    size = chunk_size(numel, world)
+    for rank, (start, end) in enumerate(ranges):
+        assert start == min(rank * size, numel)
+        assert end - start <= size
+    # every non-empty range but the last non-empty one is a full chunk
+    full = [e - s for s, e in ranges if e > s][:-1]
+    assert all(n == size for n in full)
+
+
+def test_known_values():
+    assert shard_ranges(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert shard_ranges(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert shard_range(3, 8, 7) == (3, 3)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        chunk_size(10, 0)
+    with pytest.raises(ValueError):
+        shard_range(10, 4, 4)
+
+
+@pytest.mark.parametrize("old,new", [(4, 16), (16, 4), (4, 3), (3, 5), (1, 7), (7, 1)])
+def test_pieces_reassemble_every_new_range(old, new):
+    numel = 1003
+    sources = shard_ranges(numel, old)
+    data = list(range(numel))
+    for target in shard_ranges(numel, new):
+        assembled = []
+        for piece in pieces(target, sources):
+            start = sources[piece.source][0] + piece.source_offset
+            assembled.extend(data[start:start + piece.length])
+        assert assembled == data[target[0]:target[1]]
+
+
+def test_pieces_detect_gaps_and_overlaps():
+    with pytest.raises(ValueError, match="gap"):
+        pieces((0, 10), [(0, 4), (5, 10)])
+    with pytest.raises(ValueError, match="overlap"):
+        pieces((0, 10), [(0, 6), (4, 10)])
+    with pytest.raises(ValueError, match="gap"):
+        pieces((0, 10), [(0, 9)])
+    assert pieces((2, 4), [(0, 3), (3, 10)]) == [Piece(0, 2, 0, 1), Piece(1, 0, 1, 1)]
+
+
+def test_check_tiling_messages():
+    with pytest.raises(ValueError, match="not covered"):
+        check_tiling([(0, 3), (4, 6)], 6)
+    with pytest.raises(ValueError, match="overlap"):
+        check_tiling([(0, 3), (2, 6)], 6)
+    with pytest.raises(ValueError, match="outside"):
+        check_tiling([(0, 7)], 6)

@@ -1,0 +1,116 @@
+"""Process-group set-up and the parameter all-gathers (bucketed, padded, equal-sized).
+
+Gradients go the other way in reducer.py. Both use the row layout described in layout.py:
+an all-gather input is this rank's padded master chunks concatenated (cast to the compute
+dtype), its output a [world, total] tensor whose row r is rank r's input.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.engine.layout import ParamShard, rows_to_flat
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+
+
+def ensure_process_group() -> torch.device:
+    """Create the default process group if the script did not; return this rank's device.
+
+    Under torchrun the env:// variables are set. Without them (a plain `python script.py`) we
+    start a one-rank group on a free local port so the same script runs unchanged.
+    """
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                    world_size=1, timeout=datetime.timedelta(minutes=10))
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+@dataclass
+class Gather:
+    """An all-gather of some shards' masters, possibly still in flight."""
+
+    shards: list[ParamShard]
+    offsets: list[int]
+    total: int
+    out: torch.Tensor  # [world * total]
+    work: Any  # None when synchronous or already waited
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def copy_out(self, targets: Sequence[torch.Tensor | None]) -> None:
+        """Wait, then write each shard's full tensor into its target (None: skip that shard)."""
+        self.wait()
+        rows = self.out.view(-1, self.total) if self.total else None
+        for shard, offset, target in zip(self.shards, self.offsets, targets):
+            if target is not None and shard.chunk:
+                rows_to_flat(rows[:, offset: offset + shard.chunk], target.view(-1))
+
+
+def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
+                 async_op: bool) -> Gather:
+    """All-gather the masters of `shards`, cast to `dtype`, in one collective."""
+    offsets, total = [], 0
+    for s in shards:
+        offsets.append(total)
+        total += s.chunk
+    device = shards[0].master.device if shards else torch.device("cpu")
+    inp = torch.empty(total, dtype=dtype, device=device)
+    for s, offset in zip(shards, offsets):
+        inp[offset: offset + s.chunk].copy_(s.master)
+    out = torch.empty(world * total, dtype=dtype, device=device)
+    work = all_gather(out, inp, group, async_op=async_op) if total else None
+    return Gather(list(shards), offsets, total, out, work if async_op else None)
+
+
+def buckets(shards: Iterable[ParamShard], world: int, bucket_elems: int) -> list[list[ParamShard]]:
+    """Consecutive groups of shards whose gathered size stays near `bucket_elems` elements."""
+    groups: list[list[ParamShard]] = [[]]
+    size = 0
+    for s in shards:
+        if groups[-1] and size + world * s.chunk > bucket_elems:
+            groups.append([])
+            size = 0
+        groups[-1].append(s)
+        size += world * s.chunk
+    return [g for g in groups if g]
+
+
+def gather_into_params(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
+                       bucket_elems: int) -> None:
+    """Refresh the full module parameters from every rank's masters (stages 1 and 2, after a step)."""
+    with torch.no_grad():
+        for bucket in buckets(shards, world, bucket_elems):
+            # `.data`: autograd must not see this write (no version-counter bump on the leaf).
+            start_gather(bucket, dtype, world, group, async_op=False).copy_out([s.param.data for s in bucket])

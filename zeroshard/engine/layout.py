@@ -1,0 +1,149 @@
+"""Where each parameter's elements live: one ParamShard per unique parameter.
+
+Every parameter follows zeroshard.partition exactly: flattened, cut into `world` chunks of
+`chunk_size(numel, world)` elements, this rank owning `shard_range(numel, world, rank)`. The fp32
+master of that range is a `chunk`-element tensor: the real elements first, zero padding after,
+so every rank's chunk has the same size and collectives need no uneven variants.
+
+Collective buffers put rank r's chunks in row r: a bucket of params with chunks c1, c2, ... is a
+[world, c1 + c2 + ...] tensor; param i occupies columns [offset_i, offset_i + c_i) of every row.
+`flat_to_rows` / `rows_to_flat` move a whole (unpadded) tensor in and out of such a column block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from zeroshard.partition import chunk_size, shard_range
+
+
+@dataclass(eq=False)
+class ParamShard:
+    """One unique parameter and this rank's share of it."""
+
+    index: int  # position in deduplicated `named_parameters()` order
+    name: str  # first name under which the module registers it (tied params: the first)
+    param: nn.Parameter  # the module's parameter object (compute dtype; stage 3: gathered on demand)
+    shape: torch.Size
+    dtype: torch.dtype  # the parameter's dtype before the engine took over
+    start: int  # owned flat range [start, end) per zeroshard.partition
+    end: int
+    chunk: int  # padded chunk size (same on every rank)
+    requires_grad: bool
+    master: torch.Tensor  # fp32, `chunk` elements: real ones first, zero padding after
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def owned(self) -> int:
+        return self.end - self.start
+
+    @property
+    def fragment(self) -> torch.Tensor:
+        """The real (unpadded) elements of the master: flat[start:end] of the full tensor."""
+        return self.master[: self.owned]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What `ZeroEngine.named_shards()` yields: everything a checkpoint needs for one parameter.
+
+    `master` and `optimizer_state` are live references (not copies). Optimizer state values that
+    are tensors with `dim() >= 1` are per-element (same shape as `master`, `chunk` elements, real
+    ones first); 0-dim tensors and Python numbers (e.g. Adam's `step`) are scalar state.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    end: int
+    chunk: int
+    world_size: int  # the partition's world size (1 at stage 0: every rank holds everything)
+    requires_grad: bool
+    master: torch.Tensor
+    optimizer_state: dict[str, Any]
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    @property
+    def fragment(self) -> torch.Tensor:
+        return self.master[: self.end - self.start]
+
+    @property
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """Per-element optimizer state (each `chunk` elements, real ones first)."""
+        return {k: v for k, v in self.optimizer_state.items() if torch.is_tensor(v) and v.dim() >= 1}
+
+    @property
+    def scalar_state(self) -> dict[str, Any]:
+        """Scalar optimizer state (0-dim tensors, numbers)."""
+        return {k: v for k, v in self.optimizer_state.items() if not (torch.is_tensor(v) and v.dim() >= 1)}
+
+
+def unique_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """named_parameters() with tied parameters once, under their first name."""
+    yield from module.named_parameters(remove_duplicate=True)
+
+
+def build_shards(module: nn.Module, world: int, rank: int, device: torch.device) -> list[ParamShard]:
+    """A ParamShard per unique parameter, with fp32 masters copied from the current values."""
+    shards = []
+    for index, (name, p) in enumerate(unique_named_parameters(module)):
+        numel = p.numel()
+        start, end = shard_range(numel, world, rank)
+        chunk = chunk_size(numel, world)
+        master = torch.zeros(chunk, dtype=torch.float32, device=device)
+        master[: end - start].copy_(p.detach().reshape(-1)[start:end])
+        shards.append(ParamShard(index, name, p, p.shape, p.dtype, start, end, chunk,
+                                 p.requires_grad, master))
+    return shards
+
+
+def set_fragment(master: torch.Tensor, values: torch.Tensor, owned: int) -> None:
+    """Write `owned` real elements (from a tensor of `owned` or `chunk` elements) and zero the padding."""
+    flat = values.reshape(-1)
+    if flat.numel() not in (owned, master.numel()):
+        raise ValueError(f"expected {owned} (or {master.numel()} padded) elements, got {flat.numel()}")
+    master[:owned].copy_(flat[:owned])
+    master[owned:].zero_()
+
+
+def flat_to_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
+    """Scatter a whole tensor's flat elements into a [world, chunk] column block, zero-padding."""
+    world, chunk = rows.shape
+    if chunk == 0:
+        return
+    numel = flat.numel()
+    full = min(numel // chunk, world)
+    if full:
+        rows[:full].copy_(flat[: full * chunk].view(full, chunk))
+    rem = numel - full * chunk
+    if rem:
+        rows[full, :rem].copy_(flat[full * chunk:])
+        rows[full, rem:].zero_()
+        full += 1
+    if full < world:
+        rows[full:].zero_()
+
+
+def rows_to_flat(rows: torch.Tensor, flat: torch.Tensor) -> None:
+    """Inverse of flat_to_rows: the first flat.numel() elements of the [world, chunk] block."""
+    world, chunk = rows.shape
+    if chunk == 0:
+        return
+    numel = flat.numel()
+    full = min(numel // chunk, world)
+    if full:
+        flat[: full * chunk].view(full, chunk).copy_(rows[:full])
+    rem = numel - full * chunk
+    if rem:
+        flat[full * chunk:].copy_(rows[full, :rem])

@@ -1,0 +1,178 @@
+"""Gradient buckets: full per-parameter gradients in, this rank's averaged fp32 shard out.
+
+The engine calls `grad_ready(shard, grad)` from each parameter's post-accumulate-grad hook.
+The gradient is copied at once into its bucket (row layout, see layout.py) so the caller can
+free `.grad`; a bucket is launched (reduce-scatter; all-reduce at stage 0, where the partition
+has one "rank") when all its parameters are in. `finish()` launches what is left (parameters
+that got no gradient contribute zeros), waits, and adds the results into `master.grad`.
+
+Every rank must issue the same collectives in the same order, whatever order the hooks fire
+in, so buckets are static and always launch in index order (a ready bucket waits for earlier
+ones, as in DDP). The initial order is reverse registration order; after the first reducing
+backward, buckets are rebuilt once in the order rank 0 saw gradients arrive, which makes
+later backwards launch them as early as possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.engine.collectives import reduce_scatter
+from zeroshard.engine.layout import ParamShard, flat_to_rows
+
+
+@dataclass(eq=False)
+class _Bucket:
+    shards: list[ParamShard]
+    offsets: list[int]
+    total: int  # per-rank elements (sum of chunks)
+    ready: set[int] = field(default_factory=set)  # shard indices copied in this round
+    buf: torch.Tensor | None = None  # [world * total] in the reduce dtype
+    out: torch.Tensor | None = None  # [total]: this rank's reduced share
+    work: Any = None
+    launched: bool = False
+
+
+class GradReducer:
+    """Bucketed gradient reduction into `shard.master.grad` (fp32, averaged over ranks)."""
+
+    def __init__(self, shards: Sequence[ParamShard], world: int, group: Any, all_reduce: bool,
+                 reduce_dtype: torch.dtype, bucket_elems: int, overlap: bool) -> None:
+        self.world = world  # the partition's world size (1 at stage 0)
+        self.group = group
+        self.ranks = dist.get_world_size(group)  # how many gradients get averaged
+        self.all_reduce = all_reduce
+        self.dtype = reduce_dtype
+        self.bucket_elems = bucket_elems
+        self.overlap = overlap
+        # Low-precision sums may overflow: divide before communicating, not after.
+        self.predivide = reduce_dtype != torch.float32
+        self.shards = list(shards)
+        self._build([s.index for s in reversed(self.shards)])
+        self._seen: list[int] | None = []  # arrival order, recorded until the one rebuild
+        self.active = False
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def _build(self, order: list[int]) -> None:
+        by_index = {s.index: s for s in self.shards}
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        current: list[ParamShard] = []
+        size = 0
+        for i in order:
+            s = by_index[i]
+            if current and size + self.world * s.chunk > self.bucket_elems:
+                self._add_bucket(current)
+                current, size = [], 0
+            current.append(s)
+            size += self.world * s.chunk
+        if current:
+            self._add_bucket(current)
+
+    def _add_bucket(self, shards: list[ParamShard]) -> None:
+        offsets, total = [], 0
+        for s in shards:
+            offsets.append(total)
+            total += s.chunk
+        bucket = _Bucket(shards, offsets, total)
+        for s, offset in zip(shards, offsets):
+            self.bucket_of[s.index] = (bucket, offset)
+        self.buckets.append(bucket)
+
+    # -- one reducing backward ---------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a round; the hooks may call grad_ready until finish()."""
+        for b in self.buckets:
+            b.ready.clear()
+            b.buf = b.out = b.work = None
+            b.launched = False
+        self._next = 0
+        self.active = True
+
+    def grad_ready(self, shard: ParamShard, grad: torch.Tensor) -> None:
+        """Copy `grad` (the full gradient) into its bucket; launch buckets that are due."""
+        bucket, offset = self.bucket_of[shard.index]
+        if shard.index in bucket.ready:
+            raise RuntimeError(f"gradient of {shard.name!r} arrived twice in one backward")
+        self._copy_in(bucket, offset, shard, grad)
+        if self._seen is not None:
+            self._seen.append(shard.index)
+        if self.overlap:
+            self._launch_due()
+
+    def _copy_in(self, bucket: _Bucket, offset: int, shard: ParamShard, grad: torch.Tensor | None) -> None:
+        if bucket.buf is None:
+            bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype, device=shard.master.device)
+        if grad is not None and shard.chunk:
+            rows = bucket.buf.view(self.world, bucket.total)[:, offset: offset + shard.chunk]
+            flat_to_rows(grad.detach().reshape(-1), rows)
+            if self.predivide:
+                rows.div_(self.ranks)
+        bucket.ready.add(shard.index)
+
+    def _launch_due(self) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if len(bucket.ready) < len(bucket.shards):
+                return
+            self._launch(bucket)
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.buf is None:  # no gradient at all reached this bucket
+            bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype,
+                                     device=bucket.shards[0].master.device)
+        if self.all_reduce:
+            bucket.out = bucket.buf
+            bucket.work = dist.all_reduce(bucket.buf, group=self.group, async_op=self.overlap)
+        else:
+            bucket.out = torch.empty(bucket.total, dtype=self.dtype, device=bucket.buf.device)
+            bucket.work = reduce_scatter(bucket.out, bucket.buf, self.group, async_op=self.overlap)
+        bucket.launched = True
+
+    def finish(self) -> None:
+        """Launch the rest (missing gradients: `.grad` if set, else zeros), wait, accumulate."""
+        for bucket in self.buckets[self._next:]:
+            for s, offset in zip(bucket.shards, bucket.offsets):
+                if s.index not in bucket.ready:
+                    self._copy_in(bucket, offset, s, s.param.grad)
+                    s.param.grad = None
+            self._launch(bucket)
+        self._next = len(self.buckets)
+        scale = 1.0 if self.predivide else 1.0 / self.ranks
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.work is not None and self.overlap:
+                    bucket.work.wait()
+                for s, offset in zip(bucket.shards, bucket.offsets):
+                    part = bucket.out[offset: offset + s.chunk].to(torch.float32) * scale
+                    if s.master.grad is None:
+                        s.master.grad = part
+                    else:
+                        s.master.grad.add_(part)
+                bucket.buf = bucket.out = bucket.work = None
+        self.active = False
+        if self._seen is not None:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Adopt rank 0's arrival order for all later rounds (one small broadcast, once)."""
+        seen = list(dict.fromkeys(self._seen))
+        rest = [s.index for b in self.buckets for s in b.shards if s.index not in set(seen)]
+        self._seen = None
+        if not self.shards:
+            return
+        t = torch.tensor(seen + rest, dtype=torch.int64, device=self.shards[0].master.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._build(t.tolist())
+
+    def held_bytes(self) -> int:
+        """Bytes in bucket buffers right now (non-zero only during a reducing backward)."""
+        tensors = {id(t): t for b in self.buckets for t in (b.buf, b.out) if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
