@@ -67,9 +67,12 @@ def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
     return existing
 
 
-def commit_checkpoint(location: Location, manifest: Manifest, previous_names: list[str] = ()) -> None:
+def commit_checkpoint(location: Location, manifest: Manifest, previous_names: list[str] = (),
+                      sync_files: bool = False) -> None:
     """Write the manifest (the commit), then delete files of an overwritten checkpoint that
-    the new one does not use."""
+    the new one does not use. sync_files: first fsync rank files written with durable=False."""
+    if sync_files:
+        location.fsync([f.name for f in manifest.files])
     location.write_bytes(MANIFEST_NAME, manifest.to_json())
     keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in previous_names:

@@ -66,6 +66,7 @@ class CheckpointReader:
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
+        self._buffer = bytearray()  # reused by iter_range: allocating 16 MiB per tensor costs more than the copy
         self.bytes_read = 0
 
     def _file(self, rank: int) -> tuple[RangeReader, Header]:
@@ -131,7 +132,10 @@ class CheckpointReader:
         """
         size = tensor.itemsize
         step = max(1, chunk_bytes // size)
-        buffer = memoryview(bytearray(min(step, max(end - start, 0)) * size))
+        need = min(step, max(end - start, 0)) * size
+        if len(self._buffer) < need:
+            self._buffer = bytearray(need)
+        buffer = memoryview(self._buffer)
         for chunk_start in range(start, end, step):
             n = min(step, end - chunk_start)
             view = buffer[:n * size]

@@ -23,12 +23,12 @@ class SafetensorsStreamWriter:
     """
 
     def __init__(self, location: Location, name: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str]):
+                 metadata: dict[str, str], durable: bool = True):
         self.where = location.url_of(name)
         self._header, entries = build_header(list(tensors), metadata)
         self.size = max((e.end for e in entries.values()), default=len(self._header))
         self._hasher = SegmentHasher([(e.begin, e.end, n) for n, e in entries.items()])
-        self._out = AtomicWriter(location, name)
+        self._out = AtomicWriter(location, name, durable)
         self.file_hash = ""
         self.tensor_hashes: dict[str, str] = {}
 

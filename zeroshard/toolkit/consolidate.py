@@ -12,8 +12,6 @@ import json
 import re
 from dataclasses import dataclass
 
-import torch
-
 from zeroshard.errors import OutputExistsError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.manifest import TensorEntry
@@ -120,6 +118,8 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
 def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     if src == dst:
         return chunk
+    import torch
+
     values = torch.frombuffer(chunk, dtype=torch_dtype(src)).to(torch_dtype(dst))
     return memoryview(values.view(torch.uint8).numpy())
 

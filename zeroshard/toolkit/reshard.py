@@ -63,12 +63,13 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
                 write(chunk)
                 bar.update(len(chunk))
 
-        results = [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill)
+        results = [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
+                                       durable=False)
                    for rank in range(world_size)]
     extra = dict(manifest.extra)
     extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}
     new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
                          dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                          client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-    commit_checkpoint(target, new, previous)
+    commit_checkpoint(target, new, previous, sync_files=True)
     return ReshardResult(new, target, dropped)

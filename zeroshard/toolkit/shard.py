@@ -46,9 +46,10 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
 
         with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
             results = [write_rank_file(target, checkpoint_id, rank, world_size,
-                                       rank_contents(specs, world_size, rank), fill)
+                                       rank_contents(specs, world_size, rank), fill,
+                                       durable=False)
                        for rank in range(world_size)]
     manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
                               extra={"source": src})
-    commit_checkpoint(target, manifest, previous)
+    commit_checkpoint(target, manifest, previous, sync_files=True)
     return manifest

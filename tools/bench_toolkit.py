@@ -1,0 +1,176 @@
+"""Benchmark the toolkit against a raw copy of the same bytes, measured in the same run.
+
+    python tools/bench_toolkit.py [--params 340M] [--dir /tmp/zs-bench] [--keep]
+
+Builds a synthetic LLM-shaped checkpoint (embedding + transformer blocks) with AdamW state
+(fp32 weights, exp_avg, exp_avg_sq, step) over 4 ranks, then times, each as its own process:
+
+- consolidate (weights only) vs `cp` of a file of the consolidated size,
+- reshard 4 -> 16 and 4 -> 3 vs `cp` of the whole checkpoint,
+- verify (reads and hashes everything) vs `cat` of the whole checkpoint to /dev/null,
+
+and reports each one's peak RSS against the largest tensor. zeroshard fsyncs every file it
+commits (a checkpoint must survive a crash), so the copies are timed with `sync` of their
+outputs too; the plain `cp` time is shown beside. Page cache is warm for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+# The measuring process imports nothing heavy: a child's peak RSS as the kernel reports it
+# (wait4's ru_maxrss) includes what the parent held when it forked that child.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_count(text: str) -> int:
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
+    return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
+
+
+def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
+    """An LLM-like set of shapes with about `params` parameters (hidden 1024, vocab 50304)."""
+    hidden, vocab = 1024, 50304
+    shapes = [("embed.weight", (vocab, hidden))]
+    per_block = 4 * hidden * hidden + 2 * 4 * hidden * hidden + 4 * hidden
+    blocks = max(1, (params - vocab * hidden) // per_block)
+    for b in range(blocks):
+        p = f"blocks.{b}."
+        shapes += [(p + "attn.qkv.weight", (3 * hidden, hidden)), (p + "attn.proj.weight", (hidden, hidden)),
+                   (p + "mlp.up.weight", (4 * hidden, hidden)), (p + "mlp.down.weight", (hidden, 4 * hidden)),
+                   (p + "ln1.weight", (hidden,)), (p + "ln1.bias", (hidden,)),
+                   (p + "ln2.weight", (hidden,)), (p + "ln2.bias", (hidden,))]
+    shapes.append(("norm.weight", (hidden,)))
+    return shapes
+
+
+def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int, int]:
+    """Write the synthetic checkpoint; returns (parameter count, total bytes, largest tensor bytes)."""
+    from zeroshard.format import (TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder,
+                                  rank_contents, write_rank_file)
+    from zeroshard.storage import Location
+
+    specs = []
+    for name, shape in model_shapes(params):
+        specs.append(TensorSpec(name, "param", "F32", shape))
+        for state in ("exp_avg", "exp_avg_sq"):
+            specs.append(TensorSpec(f"optimizer/{state}/{name}", "optimizer", "F32", shape, param=name, state=state))
+        specs.append(TensorSpec(f"optimizer/step/{name}", "optimizer", "F32", (), "whole", param=name, state="step"))
+    noise = memoryview(os.urandom(16 * 1024 * 1024))  # reused: content does not change I/O or hashing speed
+
+    def fill(spec, start, end, write):
+        remaining = (end - start) * 4
+        while remaining:
+            n = min(remaining, len(noise))
+            write(noise[:n])
+            remaining -= n
+
+    location = Location(str(path))
+    prepare_output_folder(location, overwrite=True)
+    checkpoint_id = uuid.uuid4().hex
+    results = [write_rank_file(location, checkpoint_id, r, world_size, rank_contents(specs, world_size, r), fill)
+               for r in range(world_size)]
+    manifest = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=3, step=1000,
+                              optimizer={"class": "torch.optim.AdamW", "param_groups": [{"lr": 3e-4}]})
+    commit_checkpoint(location, manifest)
+    n_params = sum(s.numel for s in specs if s.role == "param")
+    return n_params, sum(f.size for f in manifest.files), max(s.numel * 4 for s in specs)
+
+
+def timed(cmd: list[str] | str, shell: bool = False) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {cmd}\n{proc.stderr.read().decode()}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def zeroshard(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zeroshard.cli", *args, "-q"]
+
+
+def own_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="340M", help="model size (default 340M: ~4.1 GB with Adam state)")
+    parser.add_argument("--dir", default="/tmp/zs-bench", help="scratch folder (needs ~3x the checkpoint size)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--build-only", metavar="PATH", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.build_only:
+        print(json.dumps(build_checkpoint(Path(args.build_only), parse_count(args.params), 4)))
+        return
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ckpt = work / "ckpt"
+    t = time.perf_counter()
+    built = subprocess.run([sys.executable, __file__, "--build-only", str(ckpt), "--params", args.params],
+                           check=True, capture_output=True, text=True, cwd=ROOT)
+    n_params, total, largest = json.loads(built.stdout)
+    print(f"checkpoint: {n_params / 1e6:.0f}M params with AdamW state, 4 ranks, {total / 1e9:.2f} GB "
+          f"(largest tensor {largest / 2**20:.0f} MiB), built in {time.perf_counter() - t:.1f}s")
+
+    def best(make_cmd, cleanup, shell=False):
+        runs = []
+        for _ in range(args.repeat):
+            cleanup()
+            runs.append(timed(make_cmd(), shell=shell))
+        return min(r[0] for r in runs), max(r[1] for r in runs)
+
+    def rm(*paths):
+        return lambda: [shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True) for p in paths]
+
+    out, copy = work / "model.safetensors", work / "copy"
+    rows = []
+    cons = best(lambda: zeroshard("consolidate", str(ckpt), str(out), "--overwrite"), rm())
+    cons_size = out.stat().st_size
+    same = work / "same.bin"
+    shutil.copyfile(out, same)
+    cp_cons = best(lambda: f"cp {same} {copy} && sync {copy}", rm(copy), shell=True)
+    cp_cons_plain = best(lambda: f"cp {same} {copy}", rm(copy), shell=True)
+    rows.append(("consolidate (weights)", cons_size, cons, cp_cons, cp_cons_plain))
+    cp_all = best(lambda: f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), shell=True)
+    cp_all_plain = best(lambda: f"cp -r {ckpt} {copy}", rm(copy), shell=True)
+    for to in (16, 3):
+        target = work / f"w{to}"
+        res = best(lambda: zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite"), rm(target))
+        rows.append((f"reshard 4 -> {to}", total, res, cp_all, cp_all_plain))
+        shutil.rmtree(target, ignore_errors=True)
+    cat_all = best(lambda: f"cat {ckpt}/*.safetensors > /dev/null", rm(), shell=True)
+    ver = best(lambda: zeroshard("verify", str(ckpt)), rm())
+    rows.append(("verify (read + hash all)", total, ver, cat_all, cat_all))
+
+    limit = largest + 512 * 2**20
+    print(f"\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | peak RSS MiB | RSS target MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for name, size, (wall, rss), (base, _), (plain, _) in rows:
+        ratio = wall / base
+        ok &= ratio <= 1.3 and rss <= limit
+        print(f"| {name} | {size / 1e9:.2f} GB | {wall:.2f} | {base:.2f} | {ratio:.2f}x | {plain:.2f} | "
+              f"{rss / 2**20:.0f} | {limit / 2**20:.0f} |")
+    print(f"\n(peak RSS of a child includes the {own_rss() / 2**20:.0f} MiB of the measuring process at fork)")
+    print(f"targets (wall <= 1.3x raw copy, peak RSS <= largest tensor + 512 MiB): {'met' if ok else 'NOT met'}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
