@@ -163,3 +163,17 @@ def test_latest_pointer_is_followed(tmp_path):
     update_latest(Location(str(tmp_path / "root")), "step-2")
     location, manifest = open_checkpoint(str(tmp_path / "root"))
     assert location.url.endswith("step-2") and manifest.world_size == 3
+
+
+def test_reshard_of_a_root_writes_a_root(tmp_path):
+    from zeroshard.format import update_latest
+    from zeroshard.storage import Location
+
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "run" / "step-5"), specs, data, 4)
+    update_latest(Location(str(tmp_path / "run")), "step-5")
+    result = reshard(str(tmp_path / "run"), 2, str(tmp_path / "run2"))
+    assert result.location.url.endswith("run2/step-5")
+    assert (tmp_path / "run2" / "latest").read_text().strip() == "step-5"
+    location, manifest = open_checkpoint(str(tmp_path / "run2"))
+    assert manifest.world_size == 2 and location.url.endswith("step-5")

@@ -6,13 +6,20 @@ The toolkit (zeroshard.toolkit, the `zeroshard` command) never imports the train
 
 from typing import Any
 
+from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
+
 __version__ = "0.1.0"
-__all__ = ["initialize", "ZeroConfig", "__version__"]
+__all__ = ["initialize", "ZeroConfig", "ZeroEngine", "CheckpointSaveError", "ZeroshardError", "CheckpointError",
+           "StorageError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("initialize", "ZeroConfig"):
+    if name in ("initialize", "ZeroConfig", "ZeroEngine"):
         from zeroshard import engine
 
         return getattr(engine, name)
+    if name == "CheckpointSaveError":
+        from zeroshard.checkpointing import CheckpointSaveError
+
+        return CheckpointSaveError
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

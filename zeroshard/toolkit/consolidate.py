@@ -19,7 +19,7 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, torch_dtype
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.source import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
+from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 
 CHUNK_BYTES = 16 * 1024 * 1024
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}

@@ -20,6 +20,7 @@ from zeroshard.format import (
     open_checkpoint,
     prepare_output_folder,
     rank_contents,
+    update_latest,
     write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
@@ -45,13 +46,18 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out`."""
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
-    source, manifest = open_checkpoint(ckpt, storage_options)
+    given = Location(ckpt, storage_options)
+    source, manifest = open_checkpoint(given)
+    # Given a root (followed through `latest`), write a root too: OUT/<same name> plus OUT/latest,
+    # so training resumes from OUT exactly as it would have from the original root.
+    as_root = source.url != given.url
     keep_local = world_size == manifest.world_size
     entries = {name: t for name, t in manifest.tensors.items() if keep_local or t.layout != "local"}
     dropped = [name for name in manifest.tensors if name not in entries]
     specs = [TensorSpec.of(t) for t in entries.values()]
-    target = Location(out or default_output(source.url, world_size), storage_options)
-    if target.url.rstrip("/") == source.url.rstrip("/"):
+    out_root = Location(out or default_output(given.url, world_size), storage_options)
+    target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
+    if target.url.rstrip("/") == source.url.rstrip("/") or out_root.url.rstrip("/") == given.url.rstrip("/"):
         raise ZeroshardError(f"{target.url}: output must differ from the input checkpoint")
     previous = prepare_output_folder(target, overwrite)
     checkpoint_id = uuid.uuid4().hex
@@ -72,4 +78,6 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
                          dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                          client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
     commit_checkpoint(target, new, previous, sync_files=True)
+    if as_root:
+        update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
     return ReshardResult(new, target, dropped)

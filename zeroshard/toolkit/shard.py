@@ -13,7 +13,7 @@ from zeroshard.format import TensorSpec, build_manifest, commit_checkpoint, prep
 from zeroshard.format.manifest import Manifest
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.source import SourceTensor, open_full_model, read_source_range
+from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range
 
 CHUNK_BYTES = 16 * 1024 * 1024
 
