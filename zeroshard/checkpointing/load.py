@@ -99,10 +99,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     _agree(engine, group, error)
 
     engine.load_shards(states, strict=False)
-    with torch.no_grad():
-        own = dict(engine.module.named_buffers())
-        for name, value in buffers.items():
-            own[name].copy_(value.to(own[name].device, own[name].dtype))
+    _assign_buffers(engine, buffers)
     _load_engine_state(engine, manifest, load_optimizer_states)
     if lr_scheduler is not None and manifest.extra.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(manifest.extra["lr_scheduler"])
@@ -189,6 +186,10 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
             reader.close()
     _agree(engine, group, error)
     engine.load_shards(states, strict=False)
+    _assign_buffers(engine, buffers)
+
+
+def _assign_buffers(engine: "ZeroEngine", buffers: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         own = dict(engine.module.named_buffers())
         for name, value in buffers.items():

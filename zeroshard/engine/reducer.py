@@ -8,7 +8,8 @@ that got no gradient contribute zeros), waits, and adds the results into `master
 
 Every rank must issue the same collectives in the same order, whatever order the hooks fire
 in, so buckets are static and always launch in index order (a ready bucket waits for earlier
-ones, as in DDP). The initial order is reverse registration order; after the first reducing
+ones, as in DDP). At most two buckets are in flight: launching one first finishes the one
+before the previous, so bucket buffers never add up to a full gradient. The initial order is reverse registration order; after the first reducing
 backward, buckets are rebuilt once in the order rank 0 saw gradients arrive, which makes
 later backwards launch them as early as possible.
 """
@@ -33,8 +34,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)  # shard indices copied in this round
     buf: torch.Tensor | None = None  # [world * total] in the reduce dtype
     out: torch.Tensor | None = None  # [total]: this rank's reduced share
-    work: Any = None
-    launched: bool = False
+    work: Any = None  # async handle while in flight
 
 
 class GradReducer:
@@ -54,7 +54,10 @@ class GradReducer:
         self.shards = list(shards)
         self._build([s.index for s in reversed(self.shards)])
         self._seen: list[int] | None = []  # arrival order, recorded until the one rebuild
-        self.active = False
+        self._next = 0  # first bucket not launched yet
+        self._done = 0  # first bucket not finished (waited and accumulated) yet
+        self.held = 0  # bytes in bucket buffers now
+        self.peak_held = 0  # ... and at most, since construction
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -91,9 +94,7 @@ class GradReducer:
         for b in self.buckets:
             b.ready.clear()
             b.buf = b.out = b.work = None
-            b.launched = False
-        self._next = 0
-        self.active = True
+        self._next = self._done = self.held = 0
 
     def grad_ready(self, shard: ParamShard, grad: torch.Tensor) -> None:
         """Copy `grad` (the full gradient) into its bucket; launch buckets that are due."""
@@ -106,9 +107,18 @@ class GradReducer:
         if self.overlap:
             self._launch_due()
 
+    def _alloc(self, bucket: _Bucket) -> None:
+        bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype,
+                                 device=bucket.shards[0].master.device)
+        self._account(bucket.buf.numel() * bucket.buf.element_size())
+
+    def _account(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak_held = max(self.peak_held, self.held)
+
     def _copy_in(self, bucket: _Bucket, offset: int, shard: ParamShard, grad: torch.Tensor | None) -> None:
         if bucket.buf is None:
-            bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype, device=shard.master.device)
+            self._alloc(bucket)
         if grad is not None and shard.chunk:
             rows = bucket.buf.view(self.world, bucket.total)[:, offset: offset + shard.chunk]
             flat_to_rows(grad.detach().reshape(-1), rows)
@@ -123,18 +133,38 @@ class GradReducer:
                 return
             self._launch(bucket)
             self._next += 1
+            self._finish_upto(self._next - 2)
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.buf is None:  # no gradient at all reached this bucket
-            bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype,
-                                     device=bucket.shards[0].master.device)
+            self._alloc(bucket)
         if self.all_reduce:
             bucket.out = bucket.buf
             bucket.work = dist.all_reduce(bucket.buf, group=self.group, async_op=self.overlap)
         else:
             bucket.out = torch.empty(bucket.total, dtype=self.dtype, device=bucket.buf.device)
+            self._account(bucket.out.numel() * bucket.out.element_size())
             bucket.work = reduce_scatter(bucket.out, bucket.buf, self.group, async_op=self.overlap)
-        bucket.launched = True
+
+    def _finish_upto(self, end: int) -> None:
+        """Wait for buckets [done, end) in order, add them into master.grad, free their buffers."""
+        if end <= self._done:
+            return
+        scale = 1.0 if self.predivide else 1.0 / self.ranks
+        with torch.no_grad():
+            for bucket in self.buckets[self._done: end]:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                for s, offset in zip(bucket.shards, bucket.offsets):
+                    part = bucket.out[offset: offset + s.chunk].to(torch.float32) * scale
+                    if s.master.grad is None:
+                        s.master.grad = part
+                    else:
+                        s.master.grad.add_(part)
+                self.held -= sum(t.numel() * t.element_size()
+                                 for t in {id(t): t for t in (bucket.buf, bucket.out)}.values())
+                bucket.buf = bucket.out = bucket.work = None
+        self._done = end
 
     def finish(self) -> None:
         """Launch the rest (missing gradients: `.grad` if set, else zeros), wait, accumulate."""
@@ -144,27 +174,17 @@ class GradReducer:
                     self._copy_in(bucket, offset, s, s.param.grad)
                     s.param.grad = None
             self._launch(bucket)
-        self._next = len(self.buckets)
-        scale = 1.0 if self.predivide else 1.0 / self.ranks
-        with torch.no_grad():
-            for bucket in self.buckets:
-                if bucket.work is not None and self.overlap:
-                    bucket.work.wait()
-                for s, offset in zip(bucket.shards, bucket.offsets):
-                    part = bucket.out[offset: offset + s.chunk].to(torch.float32) * scale
-                    if s.master.grad is None:
-                        s.master.grad = part
-                    else:
-                        s.master.grad.add_(part)
-                bucket.buf = bucket.out = bucket.work = None
-        self.active = False
+            self._next += 1
+            self._finish_upto(self._next - 2)
+        self._finish_upto(len(self.buckets))
         if self._seen is not None:
             self._rebuild()
 
     def _rebuild(self) -> None:
         """Adopt rank 0's arrival order for all later rounds (one small broadcast, once)."""
         seen = list(dict.fromkeys(self._seen))
-        rest = [s.index for b in self.buckets for s in b.shards if s.index not in set(seen)]
+        seen_set = set(seen)
+        rest = [s.index for b in self.buckets for s in b.shards if s.index not in seen_set]
         self._seen = None
         if not self.shards:
             return
@@ -174,5 +194,4 @@ class GradReducer:
 
     def held_bytes(self) -> int:
         """Bytes in bucket buffers right now (non-zero only during a reducing backward)."""
-        tensors = {id(t): t for b in self.buckets for t in (b.buf, b.out) if t is not None}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return self.held

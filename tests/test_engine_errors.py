@@ -1,0 +1,180 @@
+"""Bad use gives a clear error on every rank, never a hang (each launch has a hard timeout).
+
+Ranks catch the expected exceptions themselves and return them, so the worker pool survives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from distributed import run_ranks
+from test_engine_models import batches, lm_loss, make_model, micro_batch
+from zeroshard.engine.optim import check_elementwise, check_user_optimizer
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _catch(fn: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+class Leaky(nn.Module):
+    """Uses a child's parameter in its own forward: invalid at stage 3 with per-module units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.inner.weight.t()
+
+
+def bad_use(rank: int, world: int) -> dict[str, tuple[str, str]]:
+    out = {}
+    x, y = micro_batch(batches(1, 4)[0], rank, world, 0, 1)
+
+    def step_without_backward() -> None:
+        model = make_model()
+        engine = zeroshard.initialize(model=model, optimizer=_adam(model), config={"zero_optimization": {"stage": 2}})
+        engine(x)
+        engine.step()
+    out["step_without_backward"] = _catch(step_without_backward)
+
+    def second_step() -> None:
+        model = make_model()
+        engine = zeroshard.initialize(model=model, optimizer=_adam(model), config={"zero_optimization": {"stage": 1}})
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        engine.step()
+    out["second_step"] = _catch(second_step)
+
+    def no_parameters() -> None:
+        zeroshard.initialize(model=nn.ReLU(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    out["no_parameters"] = _catch(no_parameters)
+
+    def config_mismatch() -> None:
+        model = make_model()
+        zeroshard.initialize(model=model, optimizer=_adam(model),
+                             config={"zero_optimization": {"stage": 1 + rank}})
+    out["config_mismatch"] = _catch(config_mismatch)
+
+    def model_mismatch() -> None:
+        model = make_model(layers=1 + rank)
+        zeroshard.initialize(model=model, optimizer=_adam(model))
+    out["model_mismatch"] = _catch(model_mismatch)
+
+    def bad_config_on_one_rank() -> None:
+        model = make_model()
+        cfg = {"zero_optimization": {"stage": 1}} if rank == 0 else {"zero_optimisation": {"stage": 1}}
+        zeroshard.initialize(model=model, optimizer=_adam(model), config=cfg)
+    out["bad_config_on_one_rank"] = _catch(bad_config_on_one_rank)
+
+    def plain_loss_backward() -> None:
+        model = make_model()
+        engine = zeroshard.initialize(model=model, optimizer=_adam(model), config={"zero_optimization": {"stage": 2}})
+        lm_loss(engine(x), y).backward()
+    out["plain_loss_backward"] = _catch(plain_loss_backward)
+
+    def lbfgs() -> None:
+        model = make_model()
+        zeroshard.initialize(model=model, optimizer=torch.optim.LBFGS(model.parameters()))
+    out["lbfgs"] = _catch(lbfgs)
+
+    def outside_unit() -> None:
+        model = Leaky()
+        engine = zeroshard.initialize(model=model, optimizer=_adam(model), config={"zero_optimization": {"stage": 3}})
+        engine(torch.ones(2, 4))
+    out["outside_unit"] = _catch(outside_unit)
+
+    def outside_unit_fixed() -> None:  # the remedy the message suggests
+        model = Leaky()
+        engine = zeroshard.initialize(model=model, optimizer=_adam(model),
+                                      config={"zero_optimization": {"stage": 3, "stage3_unit_classes": ["Leaky"]}})
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    out["outside_unit_fixed"] = _catch(outside_unit_fixed)
+
+    def unknown_unit_class() -> None:
+        model = make_model()
+        zeroshard.initialize(model=model, optimizer=_adam(model),
+                             config={"zero_optimization": {"stage": 3, "stage3_unit_classes": ["Blok"]}})
+    out["unknown_unit_class"] = _catch(unknown_unit_class)
+    return out
+
+
+@pytest.fixture(scope="module")
+def errors() -> list[dict[str, tuple[str, str]]]:
+    return run_ranks(bad_use, 2, timeout=120)
+
+
+@pytest.mark.parametrize("case, kind, words", [
+    ("step_without_backward", "RuntimeError", "without engine.backward"),
+    ("second_step", "RuntimeError", "without engine.backward"),
+    ("no_parameters", "ValueError", "has no parameters"),
+    ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]"),
+    ("model_mismatch", "ValueError", "differ between rank 0 and rank(s) [1]"),
+    ("plain_loss_backward", "RuntimeError", "call engine.backward(loss)"),
+    ("lbfgs", "TypeError", "LBFGS updates whole tensors"),
+    ("outside_unit", "RuntimeError", "stage3_unit_classes"),
+    ("outside_unit_fixed", "no error", ""),
+    ("unknown_unit_class", "ValueError", "no module of class ['Blok']"),
+])
+def test_bad_use_raises_on_every_rank(errors: list[dict], case: str, kind: str, words: str) -> None:
+    for rank_errors in errors:
+        got_kind, message = rank_errors[case]
+        assert got_kind == kind and words in message, (case, got_kind, message)
+
+
+def test_a_bad_config_on_one_rank_fails_everywhere(errors: list[dict]) -> None:
+    assert errors[0]["bad_config_on_one_rank"] == ("RuntimeError", "zeroshard.initialize failed on rank(s) [1]; see their error")
+    kind, message = errors[1]["bad_config_on_one_rank"]
+    assert kind == "ConfigError" and "'zero_optimisation'" in message and "zero_optimization" in message
+
+
+# -- checks that need no process group ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam, torch.optim.Adafactor])
+def test_whole_tensor_optimizers_are_refused(cls: type) -> None:
+    with pytest.raises(TypeError, match="elementwise"):
+        check_elementwise(cls)
+
+
+def test_muon_like_names_are_refused() -> None:
+    Muon = type("Muon", (torch.optim.SGD,), {})
+    with pytest.raises(TypeError, match="Muon"):
+        check_elementwise(Muon)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+                                 torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam])
+def test_elementwise_optimizers_are_accepted(cls: type) -> None:
+    check_elementwise(cls)
+
+
+def test_optimizer_with_state_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already has state"):
+        check_user_optimizer(opt, model)
+
+
+def test_optimizer_on_foreign_or_missing_params_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        check_user_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1), model)
+    with pytest.raises(ValueError, match="'bias' requires grad but is in no optimizer param group"):
+        check_user_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)

@@ -1,0 +1,42 @@
+"""The training core: ZeRO stages 0-3 on torch.distributed.
+
+    import zeroshard
+    engine = zeroshard.initialize(model=model, optimizer=opt, config=cfg)
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+
+Files, one concern each:
+  config.py       ZeroConfig dataclasses; DeepSpeed-style dict/JSON parsing and validation
+  layout.py       ParamShard/ShardInfo: each parameter's owned range (zeroshard.partition) and
+                  fp32 master chunk; row layout of collective buffers
+  collectives.py  process-group set-up, bucketed parameter all-gathers
+  reducer.py      gradient buckets (all-reduce / reduce-scatter into fp32 gradient shards)
+  stage3.py       stage-3 units, their gather/free state and every forward/backward hook
+  precision.py    compute-dtype casting, fp16 dynamic loss scaling
+  optim.py        taking over the user's optimizer (elementwise only) over the fp32 shards
+  engine.py       ZeroEngine (forward/backward/step) and initialize()
+  state.py        named_shards/load_shards, full_state_dict/load_full_state_dict, engine_state
+  memory.py       memory_report()
+
+Checkpoint interface. `engine.named_shards()` yields `(name, ShardInfo)` per unique parameter in
+`model.named_parameters()` order (tied parameters once, under their first name). A ShardInfo has
+`name, shape, dtype` (the parameter's dtype before the engine cast it), `start, end` (the owned
+flat range: `zeroshard.partition.shard_range(numel, world_size, rank)`), `chunk`
+(`chunk_size(numel, world_size)`), `world_size` (the partition's: 1 at stage 0, where every rank
+holds everything and only rank 0 need save), `requires_grad`, `master` (live fp32 tensor of
+`chunk` elements; `fragment` = its first `end - start`, the real ones) and `optimizer_state`
+(live dict: tensors with dim >= 1 are per-element, `chunk` elements like the master; 0-dim
+tensors and numbers such as Adam's `step` are scalar; see `tensor_state` / `scalar_state`).
+`engine.load_shards({name: {"fragment": t, "optimizer_state": {...}}})` assigns them back
+(fragments of `end - start` or `chunk` elements; a collective at stages 1-2: all ranks call it).
+`engine.engine_state()` / `load_engine_state()` carry counters, the loss scaler and the
+optimizer's param-group hyperparameters (with member names). `engine.full_state_dict()` gathers
+full fp32 weights to rank 0; `engine.load_full_state_dict(sd)` scatters a full one.
+"""
+
+from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine.engine import ZeroEngine, initialize
+from zeroshard.engine.layout import ShardInfo
+
+__all__ = ["initialize", "ZeroConfig", "ZeroEngine", "ShardInfo", "ConfigError"]

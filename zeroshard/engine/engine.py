@@ -1,0 +1,402 @@
+"""ZeroEngine: forward, backward and step for ZeRO stages 0-3, and `initialize`.
+
+What each rank holds (Ψ = parameter count, N = world size, chunks padded per zeroshard.partition):
+
+  stage 0  full module params (compute dtype), full grads, full fp32 master + optimizer state;
+           gradients are all-reduced (plain data parallelism through the same code path).
+  stage 1  full module params and grads; fp32 master and optimizer state for its chunks only;
+           gradients are reduce-scattered at the accumulation boundary (none before it), the
+           updated chunks all-gathered back into the module params.
+  stage 2  as stage 1, but every backward reduce-scatters gradients into the fp32 gradient shard
+           as they become ready (bucketed, asynchronous) and frees `.grad` at once.
+  stage 3  as stage 2, and the module params have no storage outside their unit's forward and
+           backward (see stage3.py); the fp32 master chunks are the only persistent copy.
+
+In fp32 at stage 0 the master *is* the module parameter (no second copy).
+
+State for checkpoints: `named_shards()` yields each parameter's name, shape, dtype, owned range
+(zeroshard.partition), fp32 master chunk and optimizer state; `load_shards()` assigns them
+back; `engine_state()` carries counters, loss scale and hyperparameters. The field-by-field
+description is in the package docstring (zeroshard/engine/__init__.py) and docs/ENGINE.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.engine import memory, state
+from zeroshard.engine.collectives import all_gather, ensure_process_group, gather_into_params
+from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
+from zeroshard.engine.optim import build_optimizer, check_user_optimizer
+from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
+from zeroshard.engine.reducer import GradReducer
+from zeroshard.engine.stage3 import Stage3
+
+
+_UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
+               "the forward of a module that holds it (its unit). Use it through that module, or make "
+               "an enclosing module one unit (zero_optimization.stage3_unit_classes)")
+
+
+def initialize(model: nn.Module,
+               optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> "ZeroEngine":
+    """Wrap `model` and `optimizer` in a ZeroEngine (creating the process group if needed).
+
+    Every rank must call this with the same model structure and config. Input errors found on
+    any rank are raised on every rank (nobody is left waiting in a collective).
+    """
+    device = ensure_process_group()
+    cfg, error = None, None
+    try:
+        cfg = ZeroConfig.coerce(config)
+        _check_model(model)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_user_optimizer(optimizer, model)
+        elif not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
+                            f"not {type(optimizer).__name__}")
+        cfg.resolve_accumulation(dist.get_world_size())
+    except (ValueError, TypeError) as e:
+        error = e
+    _agree(error, cfg, model, device)
+    return ZeroEngine(model, optimizer, cfg, device)
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
+    bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if bad:
+        raise ValueError(f"only floating-point parameters can be trained/sharded; not: {bad}")
+
+
+def _model_digest(model: nn.Module) -> int:
+    desc = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    desc += [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:8], "big") >> 1
+
+
+def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module, device: torch.device) -> None:
+    """One all-gather: every rank learns whether any rank failed or disagrees, and all raise."""
+    ok = error is None
+    mine = torch.tensor([int(ok), cfg.digest() if ok else 0, _model_digest(model) if ok else 0],
+                        dtype=torch.int64, device=device)
+    world = dist.get_world_size()
+    rows = torch.empty(world * 3, dtype=torch.int64, device=device)
+    all_gather(rows, mine, group=None)
+    table = rows.view(world, 3).tolist()
+    failed = [r for r, row in enumerate(table) if not row[0]]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"zeroshard.initialize failed on rank(s) {failed}; see their error")
+    cfg_differs = [r for r, row in enumerate(table) if row[1] != table[0][1]]
+    if cfg_differs:
+        raise ConfigError(f"the zeroshard config differs between rank 0 and rank(s) {cfg_differs}; "
+                          "every rank must use the same config")
+    model_differs = [r for r, row in enumerate(table) if row[2] != table[0][2]]
+    if model_differs:
+        raise ValueError(f"model parameters/buffers (names, shapes, dtypes, requires_grad) differ "
+                         f"between rank 0 and rank(s) {model_differs}")
+
+
+class ZeroEngine:
+    """Data-parallel training with ZeRO partitioning. Build it with `zeroshard.initialize`.
+
+    Training: `engine(*inputs)` (forward), `backward(loss)`, `step()`. State: `named_shards()`,
+    `load_shards()`, `full_state_dict()`, `load_full_state_dict()`, `engine_state()`,
+    `load_engine_state()`, `memory_report()`.
+
+    Public attributes: module, optimizer (the real torch optimizer over the fp32 shards: attach LR
+    schedulers to it), config, rank, world_size, stage, device, gradient_accumulation_steps,
+    global_steps (optimizer steps taken), micro_steps (step() calls), skipped_steps (fp16
+    overflows), last_grad_norm (pre-clipping global norm, when clipping or fp16 computed it),
+    shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stage = config.stage
+        self.gradient_accumulation_steps = config.resolve_accumulation(self.world_size)
+        self.compute_dtype = config.compute_dtype
+        self.shard_world_size = 1 if self.stage == 0 else self.world_size
+        self.shard_rank = 0 if self.stage == 0 else self.rank
+        self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._backward_done = self._in_backward = self._reducing = False
+        z = config.zero_optimization
+
+        self.module = module.to(device)
+        self.group = dist.group.WORLD
+        # Separate groups so gradient reductions and parameter gathers launched from hooks
+        # never need a common order with each other, only among themselves.
+        self._rs_group = dist.new_group()
+        self._ag_group = dist.new_group()
+        self._broadcast_from_rank0()
+
+        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank, device)
+        self._trainable = [s for s in self.shards if s.requires_grad]
+        self._shard_by_param = {id(s.param): s for s in self.shards}
+        self._cast_module()
+        self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
+        self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
+                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate) if self.stage == 3 else None
+        self.optimizer = build_optimizer(optimizer, self.shards)
+        self.scaler = LossScaler(config.fp16)
+        self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
+                                   all_reduce=self.stage == 0, reduce_dtype=config.reduce_dtype,
+                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm)
+        self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
+                       for s in self._trainable]
+
+    # -- set-up helpers ------------------------------------------------------------------------
+
+    def _broadcast_from_rank0(self) -> None:
+        """Start every rank from rank 0's weights and buffers (as DDP does)."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=0, group=self.group)
+
+    def _cast_module(self) -> None:
+        """Module params to the compute dtype (the masters already hold the fp32 values)."""
+        with torch.no_grad():
+            for s in self.shards:
+                if self.stage < 3:
+                    s.param.data = s.param.data.to(self.compute_dtype).contiguous()
+                    if self.stage == 0 and self.compute_dtype == torch.float32:
+                        s.master = s.param.data.view(-1)  # fp32 DDP: no separate master copy
+
+    # -- training ----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (floating inputs cast to the compute dtype)."""
+        if self.compute_dtype != torch.float32:
+            args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
+        if self._stage3 is None:
+            return self.module(*args, **kwargs)
+        self._stage3.begin_forward()
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            self._stage3.release_all()
+            if "storage of size 0" in str(e):
+                raise RuntimeError(_UNGATHERED) from e
+            raise
+        except BaseException:
+            self._stage3.release_all()
+            raise
+        finally:
+            self._stage3.end_forward()
+
+    __call__ = forward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() will update the weights."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise TypeError("engine.backward expects the scalar loss tensor")
+        if not loss.requires_grad:
+            raise RuntimeError("the loss does not require grad (was forward run under torch.no_grad?)")
+        self._reducing = self.stage >= 2 or self.is_gradient_accumulation_boundary()
+        if self._reducing:
+            self.reducer.begin()
+        if self._stage3 is not None:
+            self._stage3.begin_backward()
+        factor = self.scaler.scale / self.gradient_accumulation_steps
+        self._in_backward = True
+        try:
+            (loss.float() * factor if factor != 1.0 else loss).backward()
+        except BaseException as e:
+            if self._stage3 is not None:
+                self._stage3.release_all()
+                if isinstance(e, RuntimeError) and "storage of size 0" in str(e):
+                    raise RuntimeError(_UNGATHERED + " (in backward: was a unit's output modified "
+                                       "in place? use out-of-place ops on unit outputs)") from e
+            raise
+        finally:
+            self._in_backward = False
+        if self._reducing:
+            self.reducer.finish()
+        if self._stage3 is not None:
+            self._stage3.end_backward()
+        self._backward_done = True
+
+    def _on_grad(self, shard: ParamShard, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: hand a finished gradient to the reducer and free it."""
+        if not self._in_backward:
+            raise RuntimeError("a gradient reached a zeroshard parameter outside engine.backward(): "
+                               "call engine.backward(loss), not loss.backward()")
+        if not self._reducing:
+            return  # stages 0/1 between boundaries: keep accumulating in .grad
+        self.reducer.grad_ready(shard, param.grad)
+        param.grad = None
+        if self._stage3 is not None:
+            self._stage3.grad_done(shard)
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary, update the weights and zero grads."""
+        if not self._backward_done:
+            raise RuntimeError("engine.step() called without engine.backward(loss) since the last step()")
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+        self._backward_done = False
+
+    def _optimizer_step(self) -> None:
+        # Every trainable master has a gradient after a boundary backward (zeros if unused).
+        grads = [s.master.grad for s in self._trainable if s.master.grad is not None]
+        scale = self.scaler.scale
+        clip = self.config.gradient_clipping
+        coef = 1.0 / scale
+        if clip > 0 or self.scaler.enabled:
+            # One number serves both: the global norm, and (non-finite) the fp16 overflow flag.
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            for g in grads:
+                sq += g.pow(2).sum()
+            if self.shard_world_size > 1:
+                dist.all_reduce(sq, group=self.group)
+            total = sq.item()
+            norm = math.sqrt(total) if math.isfinite(total) else math.inf
+            if self.scaler.enabled and not math.isfinite(norm):
+                self._zero_grads()
+                self.scaler.update(overflow=True)
+                self.skipped_steps += 1
+                return
+            self.last_grad_norm = norm / scale
+            if clip > 0:
+                coef *= min(1.0, clip / (self.last_grad_norm + 1e-6))  # as clip_grad_norm_
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self._zero_grads()
+        self._refresh_params()
+        self.global_steps += 1
+        self.scaler.update(overflow=False)
+
+    def _zero_grads(self) -> None:
+        for s in self.shards:
+            s.master.grad = None
+            s.param.grad = None
+
+    def _refresh_params(self) -> None:
+        """Copy updated masters into the module params (all-gathered at stages 1 and 2)."""
+        if self.stage == 0:
+            with torch.no_grad():
+                for s in self._trainable:
+                    if s.master.data_ptr() != s.param.data.data_ptr():
+                        s.param.data.copy_(s.master.view(s.shape))
+        elif self.stage in (1, 2):
+            gather_into_params(self._trainable, self.compute_dtype, self.world_size, self._ag_group,
+                               int(self.config.zero_optimization.allgather_bucket_size))
+
+    # -- small conveniences --------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now: params, grads, optimizer (incl. fp32 master), buffers, comm,
+        total; plus `master` (part of optimizer). See memory.py."""
+        return memory.report(self)
+
+    # -- state for checkpoints (see state.py) ------------------------------------------------------
+
+    def named_shards(self) -> Iterator[tuple[str, ShardInfo]]:
+        """(name, ShardInfo) per unique parameter, in named_parameters() order (tied: first name)."""
+        return state.named_shards(self)
+
+    def load_shards(self, states: Mapping[str, Mapping[str, Any]], strict: bool = True) -> None:
+        """Assign master fragments / optimizer state per parameter name (collective at stages 1-2)."""
+        state.load_shards(self, states, strict=strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights plus buffers on rank 0 (CPU tensors, model.state_dict() names); {} elsewhere."""
+        return state.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full (unsharded) weights, given on every rank; each rank keeps its range."""
+        state.load_full_state_dict(self, state_dict, strict=strict)
+
+    def engine_state(self) -> dict[str, Any]:
+        """Counters, loss scaler and optimizer hyperparameters (everything but the shards)."""
+        return state.engine_state(self)
+
+    def load_engine_state(self, engine_state: Mapping[str, Any]) -> None:
+        state.load_engine_state(self, engine_state)
+
+    # -- checkpoints (zeroshard.checkpointing; format v1, docs/FORMAT.md) ---------------------------
+
+    def _checkpoint_saver(self) -> Any:
+        if getattr(self, "_saver", None) is None:
+            from zeroshard.checkpointing import CheckpointSaver
+
+            self._saver = CheckpointSaver(self)  # collective: every rank gets here together
+        return self._saver
+
+    def save_checkpoint(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
+                        keep_last: int | None = None, async_save: bool = False, lr_scheduler: Any = None,
+                        storage_options: dict | None = None) -> str:
+        """Save to `path/tag` (tag: step-NNNNNNNN by default), every rank writing its own shard;
+        rank 0 commits the manifest once all have succeeded, then moves `path/latest`.
+
+        client_state: JSON-serializable dict returned by load_checkpoint. keep_last: prune older
+        checkpoints in `path` after the commit. async_save: snapshot now, write in a background
+        thread (the next save, wait(), load or exit joins it and raises its error). Returns the
+        checkpoint's URL. Raises CheckpointSaveError on every rank if any rank failed.
+        """
+        return self._checkpoint_saver().save(path, tag, client_state, keep_last=keep_last, async_save=async_save,
+                                             lr_scheduler=lr_scheduler, storage_options=storage_options)
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its error if it failed."""
+        if getattr(self, "_saver", None) is not None:
+            self._saver.wait()
+
+    def load_checkpoint(self, path: str, *, strict: bool = True, load_optimizer_states: bool = True,
+                        lr_scheduler: Any = None, storage_options: dict | None = None) -> Any:
+        """Load a checkpoint saved at any world size and stage (a root follows `latest`);
+        returns its client_state. strict=False skips parameters missing on either side."""
+        from zeroshard.checkpointing import load_checkpoint
+
+        saver = self._checkpoint_saver()
+        saver.wait()
+        return load_checkpoint(self, saver.group, path, strict=strict, load_optimizer_states=load_optimizer_states,
+                               lr_scheduler=lr_scheduler, storage_options=storage_options)
+
+    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
+        """Load model weights from a full model: one .safetensors file or an HF-style folder."""
+        from zeroshard.checkpointing import load_pretrained
+
+        load_pretrained(self, self._checkpoint_saver().group, path, strict=strict, storage_options=storage_options)
+
+    def __repr__(self) -> str:
+        return (f"ZeroEngine(stage={self.stage}, rank={self.rank}/{self.world_size}, "
+                f"dtype={self.compute_dtype}, optimizer={type(self.optimizer).__name__}, "
+                f"params={len(self.shards)})")

@@ -1,0 +1,62 @@
+"""memory_report(): bytes this rank holds, measured from the tensors themselves.
+
+Each storage is counted once (in the first category that reaches it), so a master that aliases
+its module parameter (fp32, stage 0) or a gradient view is never double counted. Freed stage-3
+parameters have empty storages and count zero.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.engine.engine import ZeroEngine
+
+
+def report(engine: "ZeroEngine") -> dict[str, int]:
+    """Bytes held now, in the ZeRO paper's categories.
+
+    params: module parameters in the compute dtype (stage 3: only units gathered right now);
+    grads: module `.grad` plus the fp32 gradient shards; optimizer: fp32 master chunks plus the
+    optimizer's state tensors (the paper's KΨ); buffers: module buffers; comm: bucket and
+    prefetch buffers in flight. total = params + grads + optimizer + buffers + comm.
+    Informational, not added again: master and optimizer_state (the two parts of `optimizer`:
+    fp32 master weights, 0 when they alias the parameters; the optimizer's own state) and, on
+    CUDA, cuda_allocated.
+    """
+    seen: set[tuple[int, str]] = set()
+
+    def count(tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), str(t.device))
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        return total
+
+    module = engine.module
+    params = count(p.data for p in module.parameters())
+    master = count(s.master for s in engine.shards)
+    grads = count([p.grad for p in module.parameters()] + [s.master.grad for s in engine.shards])
+    opt_state = count(v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    out = {
+        "params": params,
+        "grads": grads,
+        "optimizer": master + opt_state,
+        "buffers": count(module.buffers()),
+        "comm": engine.reducer.held_bytes() + (
+            engine._stage3.inflight_bytes() if engine._stage3 is not None else 0),
+    }
+    out["total"] = sum(out.values())
+    out["master"] = master
+    out["optimizer_state"] = opt_state
+    if engine.device.type == "cuda":
+        out["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
+    return out
