@@ -19,13 +19,6 @@ from zeroshard.errors import ZeroshardError
 EXIT_ERROR = 1
 EXIT_VERIFY_FAILED = 3
 
-S3_HELP = """\b
-Paths may be local or s3://bucket/prefix. S3 endpoint and credentials come the standard way
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...) or as
---storage-option key=value pairs passed to fsspec/s3fs (e.g. -S endpoint_url=http://127.0.0.1:9000
--S anon=true)."""
-
-
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--storage-option, --quiet and --debug, and the one-line error handling, for every command."""
 
@@ -75,6 +68,13 @@ def main() -> None:
       zeroshard reshard ckpt/ --to 16 -o ckpt16/   resume on 16 ranks instead of 8
       zeroshard consolidate ckpt/ model.safetensors --dtype bf16
       zeroshard shard model.safetensors ckpt/ --world 8   start a ZeRO run from weights
+      zeroshard estimate --params 7.5B --gpus 64   per-GPU model-state memory by ZeRO stage
+
+    \b
+    Paths may be local or s3://bucket/prefix. S3 endpoint and credentials come the standard
+    way (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...) or as
+    --storage-option key=value pairs passed to fsspec/s3fs
+    (e.g. -S endpoint_url=http://127.0.0.1:9000 -S anon=true).
     """
 
 
@@ -185,16 +185,13 @@ def verify(ckpt: str, storage_options: dict, quiet: bool) -> None:
     sys.exit(EXIT_VERIFY_FAILED)
 
 
-def _register_optional_commands() -> None:
-    try:
-        from zeroshard.estimate import estimate_command
-    except ImportError:
-        return
+def _register_estimate() -> None:
+    from zeroshard.estimate import estimate_command  # pure arithmetic: no torch, no engine
+
     main.add_command(estimate_command, "estimate")
 
 
-main.help = (main.help or "") + "\n\n" + S3_HELP
-_register_optional_commands()
+_register_estimate()
 
 
 if __name__ == "__main__":
