@@ -109,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="340M", help="model size (default 340M: ~4.1 GB with Adam state)")
     parser.add_argument("--dir", default="/tmp/zs-bench", help="scratch folder (needs ~3x the checkpoint size)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement, interleaved; the best is reported")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--build-only", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -127,35 +127,38 @@ def main() -> None:
     print(f"checkpoint: {n_params / 1e6:.0f}M params with AdamW state, 4 ranks, {total / 1e9:.2f} GB "
           f"(largest tensor {largest / 2**20:.0f} MiB), built in {time.perf_counter() - t:.1f}s")
 
-    def best(make_cmd, cleanup, shell=False):
-        runs = []
-        for _ in range(args.repeat):
-            cleanup()
-            runs.append(timed(make_cmd(), shell=shell))
-        return min(r[0] for r in runs), max(r[1] for r in runs)
-
     def rm(*paths):
         return lambda: [shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True) for p in paths]
 
+    def pair(ours, ours_cleanup, base, base_cleanup, plain):
+        """Interleave zeroshard and baseline runs (the disk's speed drifts); best of each."""
+        runs_ours, runs_base, runs_plain = [], [], []
+        for _ in range(args.repeat):
+            for runs, cmd, cleanup in ((runs_ours, ours, ours_cleanup), (runs_base, base, base_cleanup),
+                                       (runs_plain, plain, base_cleanup)):
+                cleanup()
+                subprocess.run("sync", shell=True)
+                runs.append(timed(cmd, shell=isinstance(cmd, str)))
+        return ((min(r[0] for r in runs_ours), max(r[1] for r in runs_ours)),
+                (min(r[0] for r in runs_base), 0), (min(r[0] for r in runs_plain), 0))
+
     out, copy = work / "model.safetensors", work / "copy"
-    rows = []
-    cons = best(lambda: zeroshard("consolidate", str(ckpt), str(out), "--overwrite"), rm())
+    subprocess.run(zeroshard("consolidate", str(ckpt), str(out)), check=True)
     cons_size = out.stat().st_size
     same = work / "same.bin"
     shutil.copyfile(out, same)
-    cp_cons = best(lambda: f"cp {same} {copy} && sync {copy}", rm(copy), shell=True)
-    cp_cons_plain = best(lambda: f"cp {same} {copy}", rm(copy), shell=True)
-    rows.append(("consolidate (weights)", cons_size, cons, cp_cons, cp_cons_plain))
-    cp_all = best(lambda: f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), shell=True)
-    cp_all_plain = best(lambda: f"cp -r {ckpt} {copy}", rm(copy), shell=True)
+    rows = [("consolidate (weights)", cons_size, *pair(
+        zeroshard("consolidate", str(ckpt), str(out)), rm(out),
+        f"cp {same} {copy} && sync {copy}", rm(copy), f"cp {same} {copy}"))]
     for to in (16, 3):
         target = work / f"w{to}"
-        res = best(lambda: zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite"), rm(target))
-        rows.append((f"reshard 4 -> {to}", total, res, cp_all, cp_all_plain))
+        rows.append((f"reshard 4 -> {to}", total, *pair(
+            zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite"), rm(target),
+            f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), f"cp -r {ckpt} {copy}")))
         shutil.rmtree(target, ignore_errors=True)
-    cat_all = best(lambda: f"cat {ckpt}/*.safetensors > /dev/null", rm(), shell=True)
-    ver = best(lambda: zeroshard("verify", str(ckpt)), rm())
-    rows.append(("verify (read + hash all)", total, ver, cat_all, cat_all))
+    rows.append(("verify (read + hash all)", total, *pair(
+        zeroshard("verify", str(ckpt)), rm(), f"cat {ckpt}/*.safetensors > /dev/null", rm(),
+        f"cat {ckpt}/*.safetensors > /dev/null")))
 
     limit = largest + 512 * 2**20
     print(f"\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | peak RSS MiB | RSS target MiB |")

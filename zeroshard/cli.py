@@ -89,7 +89,7 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
 
     SRC is one .safetensors file or an HF-style folder (model.safetensors.index.json plus
     shards). Every tensor is flattened and cut into WORLD near-equal contiguous pieces; rank r
-    gets piece r. Data is streamed: memory stays at a 16 MiB buffer whatever the model size.
+    gets piece r. Data is streamed: memory stays at one copy buffer (4 MiB; 32 MiB on S3) whatever the model size.
     """
     from zeroshard.toolkit.shard import shard as run
 
@@ -117,7 +117,7 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     (or a single model.safetensors when everything fits in one shard, as HF does), loadable with
     transformers' from_pretrained once a config.json sits beside it.
 
-    Tensors stream from the rank files through a 16 MiB buffer, hash-checked as they are read;
+    Tensors stream from the rank files through one copy buffer, hash-checked as they are read;
     tied weights recorded in the manifest are written under both names.
     """
     from zeroshard.toolkit.consolidate import consolidate as run

@@ -22,6 +22,7 @@ from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -207,5 +208,5 @@ def _read_source(folder: Any, readers: dict[str, Any], source: SourceTensor, sta
         view[position[0]:position[0] + len(chunk)] = chunk
         position[0] += len(chunk)
 
-    read_source_range(readers[source.file], source, start, end, 16 * 1024 * 1024, write)
+    read_source_range(readers[source.file], source, start, end, chunk_bytes_for(folder), write)
     return out

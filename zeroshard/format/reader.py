@@ -17,7 +17,13 @@ from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import Header, read_header
 
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # small enough to stay in cache between the read, the hash and the write
+REMOTE_CHUNK_BYTES = 32 * 1024 * 1024  # fewer, larger range requests where each costs a round trip
+
+
+def chunk_bytes_for(location: Location) -> int:
+    """The copy-buffer size for streaming from `location`."""
+    return DEFAULT_CHUNK_BYTES if location.local else REMOTE_CHUNK_BYTES
 
 
 def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[str]:
@@ -66,7 +72,7 @@ class CheckpointReader:
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
-        self._buffer = bytearray()  # reused by iter_range: allocating 16 MiB per tensor costs more than the copy
+        self._buffer = bytearray()  # reused by iter_range: allocating a buffer per tensor costs more than the copy
         self.bytes_read = 0
 
     def _file(self, rank: int) -> tuple[RangeReader, Header]:
@@ -125,11 +131,13 @@ class CheckpointReader:
         return out
 
     def iter_range(self, tensor: TensorEntry, start: int, end: int,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[memoryview]:
-        """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`.
+                   chunk_bytes: int | None = None) -> Iterator[memoryview]:
+        """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`
+        (default: by location, see chunk_bytes_for).
 
         The yielded views share one buffer: use each before asking for the next.
         """
+        chunk_bytes = chunk_bytes or chunk_bytes_for(self.location)
         size = tensor.itemsize
         step = max(1, chunk_bytes // size)
         need = min(step, max(end - start, 0)) * size

@@ -21,7 +21,6 @@ from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 
-CHUNK_BYTES = 16 * 1024 * 1024
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
@@ -105,7 +104,7 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
             layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
             with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}) as writer:
                 for tensor in shard_tensors:
-                    for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel, CHUNK_BYTES):
+                    for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel):
                         data = _cast(chunk, tensor.source.dtype, tensor.dtype)
                         writer.write(data)
                         bar.update(len(data))

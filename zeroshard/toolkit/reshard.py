@@ -27,7 +27,6 @@ from zeroshard.format.manifest import Manifest
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 
-CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -65,7 +64,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     with CheckpointReader(source, manifest) as reader, byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
 
         def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-            for chunk in reader.iter_range(entries[spec.name], start, end, CHUNK_BYTES):
+            for chunk in reader.iter_range(entries[spec.name], start, end):
                 write(chunk)
                 bar.update(len(chunk))
 

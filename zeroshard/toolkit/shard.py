@@ -11,11 +11,11 @@ from contextlib import ExitStack
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder, rank_contents, write_rank_file
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range
 
-CHUNK_BYTES = 16 * 1024 * 1024
 
 
 def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
@@ -42,7 +42,7 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
                 write(view)
                 bar.update(len(view))
 
-            read_source_range(readers[source.file], source, start, end, CHUNK_BYTES, write_and_count)
+            read_source_range(readers[source.file], source, start, end, chunk_bytes_for(folder), write_and_count)
 
         with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
             results = [write_rank_file(target, checkpoint_id, rank, world_size,

@@ -16,12 +16,12 @@ from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format import check_header, resolve_checkpoint
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.hashing import SegmentHasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import Header, read_header
 from zeroshard.toolkit.progress import byte_bar
 
-CHUNK_BYTES = 16 * 1024 * 1024
 _RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -78,7 +78,7 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
         if problems:
             return problems
         expected = {t.name: f.hash for t in manifest.tensors.values() for f in t.fragments if f.rank == file.rank}
-        file_hash, tensor_hashes = _hash_file(reader, header, size, bar)
+        file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), bar)
     if file_hash != file.hash:
         problems.append("content hash mismatch (file corrupt or modified)")
     for name, digest in tensor_hashes.items():
@@ -87,12 +87,12 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
     return problems
 
 
-def _hash_file(reader, header: Header, size: int, bar) -> tuple[str, dict[str, str]]:
+def _hash_file(reader, header: Header, size: int, chunk: int, bar) -> tuple[str, dict[str, str]]:
     """Hash the whole file and each tensor's bytes in one sequential pass."""
     hasher = SegmentHasher([(e.begin, e.end, n) for n, e in header.entries.items()])
-    buffer = memoryview(bytearray(min(CHUNK_BYTES, size)))
-    for offset in range(0, size, CHUNK_BYTES):
-        view = buffer[:min(CHUNK_BYTES, size - offset)]
+    buffer = memoryview(bytearray(min(chunk, size)))
+    for offset in range(0, size, chunk):
+        view = buffer[:min(chunk, size - offset)]
         reader.read_into(offset, view)
         hasher.update(view)
         bar.update(len(view))
