@@ -36,16 +36,16 @@ def torchrun(ranks: int, *args: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo", help="working folder (replaced)")
-    parser.add_argument("--steps", type=int, default=80, help="steps trained on 2 ranks")
-    parser.add_argument("--resume-steps", type=int, default=140, help="total steps after resuming on 4 ranks")
+    parser.add_argument("--steps", type=int, default=300, help="steps trained on 2 ranks")
+    parser.add_argument("--resume-steps", type=int, default=400, help="total steps after resuming on 4 ranks")
     args = parser.parse_args()
     out = ROOT / args.out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ckpt2, ckpt4 = out / "ckpt-2ranks", out / "ckpt-4ranks"
     zeroshard = str(BIN / "zeroshard")
-    model = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "64", "--batch", "16",
-             "--log-every", "20"]
+    model = ["--n-layer", "3", "--n-embd", "96", "--n-head", "4", "--block-size", "64", "--batch", "16",
+             "--log-every", "50"]
     started = time.time()
 
     say(f"1/6 train the sample GPT with ZeRO stage 3 on 2 CPU ranks for {args.steps} steps, "
