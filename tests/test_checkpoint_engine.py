@@ -16,12 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zeroshard
 from distributed import RankError, run_ranks
-from test_engine_models import (assert_losses_close, assert_state_close, batches, build_optimizer, lm_loss,
-                                make_model, micro_batch)
+from test_engine_models import assert_losses_close, assert_state_close, batches, build_optimizer, make_model, train_step
 
 K, GLOBAL_BATCH, GAS = 2, 24, 2  # the global batch divides evenly at world sizes 2, 3 and 4
 
@@ -43,16 +41,7 @@ def run(rank: int, world: int, *, stage: int, steps: int, ckpt: str | None = Non
     for step, batch in enumerate(batches(steps, GLOBAL_BATCH)):
         if step < start:
             continue
-        total = 0.0
-        for m in range(GAS):
-            x, y = micro_batch(batch, rank, world, m, GAS)
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total])
-        dist.all_reduce(t)
-        out["losses"].append(t.item() / (world * GAS))
+        out["losses"].append(train_step(engine, batch, rank, world, GAS))
         sched.step()
         if step + 1 in save_at:
             torch.manual_seed(1000 + rank)  # an RNG state worth restoring

@@ -108,6 +108,23 @@ def micro_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int,
     return x[i: i + n], y[i: i + n]
 
 
+def train_step(engine: Any, batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int, gas: int) -> float:
+    """One optimizer step through the engine (gas micro-steps on this rank's slices); returns
+    the global batch's mean loss (collective: every rank must call it)."""
+    import torch.distributed as dist
+
+    total = 0.0
+    for m in range(gas):
+        x, y = micro_batch(batch, rank, world, m, gas)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    t = torch.tensor([total])
+    dist.all_reduce(t)
+    return t.item() / (world * gas)
+
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),

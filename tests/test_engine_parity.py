@@ -19,7 +19,7 @@ import torch.distributed as dist
 import zeroshard
 from distributed import run_ranks
 from test_engine_models import (assert_losses_close, assert_state_close, batches, build_optimizer,
-                                lm_loss, make_model, micro_batch, reference_run)
+                                lm_loss, make_model, micro_batch, reference_run, train_step)
 
 STEPS, GLOBAL_BATCH = 3, 16
 FP32_TOL = 1e-5
@@ -47,16 +47,7 @@ def train(rank: int, world: int, *, stage: int, gas: int = 2, optimizer: str = "
     losses = []
     for step, batch in enumerate(batches(steps, GLOBAL_BATCH)):
         model.use_mix = step not in skip_mix
-        total = 0.0
-        for m in range(gas):
-            x, y = micro_batch(batch, rank, world, m, gas)
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total])
-        dist.all_reduce(t)
-        losses.append(t.item() / (world * gas))
+        losses.append(train_step(engine, batch, rank, world, gas))
         if sched:
             sched.step()
     return {"losses": losses, "state": engine.full_state_dict(), "global_steps": engine.global_steps,
