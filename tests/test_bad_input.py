@@ -2,7 +2,6 @@
 that looks complete is left behind."""
 
 import json
-import os
 import resource
 import signal
 import struct

@@ -8,10 +8,8 @@ Every run trains TinyGPT (tied embeddings, a frozen parameter, a module called t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zeroshard
 from distributed import run_ranks

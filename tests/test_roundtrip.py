@@ -56,7 +56,7 @@ def test_reshard_there_and_back_keeps_every_tensor(tmp_path, middle):
     there = reshard(str(tmp_path / "w4"), middle, str(tmp_path / "mid"))
     assert verify(str(tmp_path / "mid")).ok
     assert there.manifest.world_size == middle
-    back = reshard(str(tmp_path / "mid"), 4, str(tmp_path / "back"))
+    reshard(str(tmp_path / "mid"), 4, str(tmp_path / "back"))
     assert verify(str(tmp_path / "back")).ok
     result = read_checkpoint(str(tmp_path / "back"))
     rng = [n for n in original if n.startswith("rng/")]

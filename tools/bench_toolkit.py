@@ -161,7 +161,7 @@ def main() -> None:
         f"cat {ckpt}/*.safetensors > /dev/null")))
 
     limit = largest + 512 * 2**20
-    print(f"\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | peak RSS MiB | RSS target MiB |")
+    print("\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | peak RSS MiB | RSS target MiB |")
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for name, size, (wall, rss), (base, _), (plain, _) in rows:

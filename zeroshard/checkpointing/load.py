@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zeroshard.checkpointing.collect import optimizer_key, rng_key
+from zeroshard.checkpointing.collect import rng_key
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range

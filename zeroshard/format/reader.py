@@ -8,7 +8,7 @@ as it takes, which is how consolidate and reshard read; a mismatch is an error n
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import FileEntry, Fragment, Manifest, TensorEntry
@@ -16,6 +16,9 @@ from zeroshard.partition import pieces
 from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import Header, read_header
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # small enough to stay in cache between the read, the hash and the write
 REMOTE_CHUNK_BYTES = 32 * 1024 * 1024  # fewer, larger range requests where each costs a round trip
