@@ -7,27 +7,39 @@ One invocation launches ONE `torchrun --nproc-per-node 2` (gloo, CPU) running th
 `--worker`. Each rank holds two copies of the same model (samples/gpt.py, same seed): a zeroshard
 engine (ZeRO stage 3 by default) and a PyTorch FSDP2 model (`fully_shard` on every Block, then the
 root), each with Adam state created by one training step on a tiny batch. Then, --repeats times,
-interleaved so that both sides see the same machine noise:
+interleaved so that all sides see the same machine noise:
 
-  raw write      every rank writes as many bytes as its zeroshard rank file, from a tensor, to a
-                 new file with plain Python (one write() call, unbuffered) and fsyncs it
-  zeroshard save engine.save_checkpoint(path) (synchronous; fsyncs shards, then commits manifest)
-  DCP save       get_state_dict(model, optim) + dcp.save(..., FileSystemWriter(path)) (fsyncs)
+  raw write       every rank writes as many bytes as its zeroshard rank file, from a tensor, to a
+                  new file with plain Python (one write() call, unbuffered) and fsyncs it
+  zeroshard save  engine.save_checkpoint(path) (synchronous; fsyncs shards, then commits manifest)
+  DCP save        get_state_dict(model, optim) + dcp.save(..., FileSystemWriter(path)) (fsyncs)
   zeroshard async engine.save_checkpoint(path, async_save=True) -> blocked seconds; engine.wait()
-  DCP async      dcp.async_save(...) -> blocked seconds; future.result()
-  raw read       the raw file read back into the same (preallocated, already touched) tensor
-  zeroshard load engine.load_checkpoint(path) into the same engine (state perturbed first)
-  DCP load       get_state_dict + dcp.load(..., FileSystemReader(path)) + set_state_dict
+  DCP async       dcp.async_save(...) -> blocked seconds; future.result()
+  raw read        the raw file read back into the same (preallocated, already touched) tensor
+  zeroshard load  engine.load_checkpoint(path) into the same engine (state perturbed first)
+  DCP load        get_state_dict + dcp.load(..., FileSystemReader(path)) + set_state_dict
 
 Every timing is the slowest rank's wall time for the operation (all ranks start together after
 a barrier); bytes are the bytes of every file the operation writes or reads, over all ranks, so
 GB/s (1e9) is the aggregate throughput of the job. The table reports the best of --repeats (the
-machine is shared and noisy) and the median next to it. Reads come from a WARM page cache: every
-file was written moments before and nothing evicts it, so read figures measure the software path
-(memory copies, hashing, allocation), not the disk.
+machine is shared and noisy) and the median next to it; every run is listed under the table.
+
+Fairness between operations:
+- each rep rotates the order of the writes, of the async saves and of the reads, so no operation
+  always runs first or after the same neighbour;
+- every write operation deletes its own output of the previous rep right before it starts (the
+  raw write its previous file, zeroshard and DCP their previous checkpoint folder), and commits
+  the deletion with a directory fsync, outside the timed region. Writing into page-cache memory
+  that was just freed is much cheaper than growing into memory untouched for a while (on a VM,
+  first touch of such guest memory can cost ~2.5 s/GB), so every operation gets the same recycled
+  memory, and rep 1 (which has nothing to recycle) is effectively a warm-up;
+- reads come from a WARM page cache: every file was written moments before and nothing evicts
+  it (caches are not dropped), so read rows measure the software path (allocation, copies,
+  hashing), not the disk.
 
 After each load the state is compared with what was saved (checksums of the master fragments and
-Adam moments on every rank); a mismatch fails the run.
+Adam moments on every rank, which were perturbed before the load); a mismatch fails the run.
+--profile adds a cProfile of one more zeroshard save and load on rank 0.
 
 Internal: `--worker --out FILE` is one rank's side, run under torchrun by the parent.
 """
@@ -64,7 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=1024, help="model context (position embedding rows)")
     p.add_argument("--seq", type=int, default=16, help="sequence length of the one training step")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank in the one training step")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per operation (best is reported)")
+    p.add_argument("--repeats", type=int, default=3, help="measured reps per operation (best is reported)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="reps run first and left out of best/median (listed under the table): the first rep "
+                        "has no freed memory to recycle")
     p.add_argument("--no-dcp", action="store_true", help="skip the FSDP2 + DCP peer")
     p.add_argument("--no-async", action="store_true", help="skip the async save rows")
     p.add_argument("--scratch", default=None,
@@ -84,6 +99,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def fsync_dir(path: Path) -> None:
+    """Commit pending unlinks in `path` now (the journal commit, and with `-o discard` the
+    discards of the freed blocks), so that they are not paid inside the next timed operation."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def raw_write(path: Path, data) -> None:
@@ -147,10 +175,14 @@ def worker(args: argparse.Namespace) -> None:
         out = fn()
         return slowest(time.perf_counter() - t0), out
 
+    def tag(rep: int) -> str:
+        return f"warm-up rep {rep + 1}" if rep < args.warmup else f"rep {rep + 1 - args.warmup}/{args.repeats}"
+
     def rm(path: Path) -> None:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
+            fsync_dir(path.parent)
         dist.barrier()
 
     # ---- zeroshard engine ------------------------------------------------------------------
@@ -240,11 +272,12 @@ def worker(args: argparse.Namespace) -> None:
 
     def zs_save(rep: int) -> None:
         nonlocal zs_rank_bytes
+        rm(zs_root / f"sync-{rep - 1}")  # loaded in the previous rep; freed right before, as raw does
         dt, _ = timed(lambda: engine.save_checkpoint(str(zs_root), tag=f"sync-{rep}"))
         ckpt = zs_root / f"sync-{rep}"
         record("zs_save", dt, dir_bytes(ckpt))  # every rank file + the manifest
         zs_rank_bytes = _rank_file_bytes(ckpt, rank, world)
-        log(f"rep {rep + 1}: zeroshard save {dt:.3f}s")
+        log(f"{tag(rep)}: zeroshard save {dt:.3f}s")
 
     def raw_save(rep: int) -> None:
         nonlocal raw
@@ -252,17 +285,20 @@ def worker(args: argparse.Namespace) -> None:
             raw = torch.empty(zs_rank_bytes // 4 + 1, dtype=torch.float32).normal_().view(torch.uint8)[:zs_rank_bytes]
         if mine.exists():
             mine.unlink()
+            fsync_dir(scratch)
         dt, _ = timed(lambda: raw_write(mine, raw))
         record("raw_write", dt, total(raw.numel()))
-        log(f"rep {rep + 1}: raw write {dt:.3f}s")
+        log(f"{tag(rep)}: raw write {dt:.3f}s")
 
     def dcp_save_op(rep: int) -> None:
+        rm(scratch / f"dcp-{rep - 1}")
         path = scratch / f"dcp-{rep}"
         dt, _ = timed(lambda: dcp_save(path))
         record("dcp_save", dt, dir_bytes(path))
-        log(f"rep {rep + 1}: DCP save {dt:.3f}s")
+        log(f"{tag(rep)}: DCP save {dt:.3f}s")
 
     def zs_async(rep: int) -> None:
+        rm(zs_root / f"async-{rep - 1}")
         t_all = time.perf_counter()
         blocked, _ = timed(lambda: engine.save_checkpoint(str(zs_root), tag=f"async-{rep}", async_save=True))
         t0 = time.perf_counter()
@@ -271,24 +307,23 @@ def worker(args: argparse.Namespace) -> None:
         record("zs_async_blocked", blocked)
         record("zs_async_wait", waited)
         record("zs_async_total", slowest(time.perf_counter() - t_all))
-        rm(zs_root / f"async-{rep}")
-        log(f"rep {rep + 1}: zeroshard async save blocked {blocked:.3f}s, then wait() {waited:.3f}s")
+        log(f"{tag(rep)}: zeroshard async save blocked {blocked:.3f}s, then wait() {waited:.3f}s")
 
     def dcp_async_op(rep: int) -> None:
+        rm(scratch / f"dcp-async-{rep - 1}")
         path = scratch / f"dcp-async-{rep}"
         t_all = time.perf_counter()
         blocked, fut = timed(lambda: dcp_async(path))
         fut.result()
         record("dcp_async_blocked", blocked)
         record("dcp_async_total", slowest(time.perf_counter() - t_all))
-        rm(path)
-        log(f"rep {rep + 1}: DCP async_save blocked {blocked:.3f}s")
+        log(f"{tag(rep)}: DCP async_save blocked {blocked:.3f}s")
 
     def raw_load(rep: int) -> None:
         dt, got = timed(lambda: raw_read(mine, raw))
         assert got == raw.numel(), (got, raw.numel())
         record("raw_read", dt, total(got))
-        log(f"rep {rep + 1}: raw read {dt:.3f}s")
+        log(f"{tag(rep)}: raw read {dt:.3f}s")
 
     def zs_load(rep: int) -> None:
         ckpt = zs_root / f"sync-{rep}"
@@ -301,7 +336,7 @@ def worker(args: argparse.Namespace) -> None:
         if abs(got - want) > 1e-6 * max(1.0, abs(want)):
             raise SystemExit(f"rank {rank}: zeroshard load mismatch: checksum {got} != {want}")
         record("zs_load", dt, dir_bytes(ckpt))
-        log(f"rep {rep + 1}: zeroshard load {dt:.3f}s")
+        log(f"{tag(rep)}: zeroshard load {dt:.3f}s")
 
     def dcp_load_op(rep: int) -> None:
         path = scratch / f"dcp-{rep}"
@@ -314,24 +349,20 @@ def worker(args: argparse.Namespace) -> None:
         if abs(got - want) > 1e-6 * max(1.0, abs(want)):
             raise SystemExit(f"rank {rank}: DCP load mismatch: checksum {got} != {want}")
         record("dcp_load", dt, dir_bytes(path))
-        log(f"rep {rep + 1}: DCP load {dt:.3f}s")
+        log(f"{tag(rep)}: DCP load {dt:.3f}s")
 
     def rotate(ops: list, rep: int) -> list:
         """Rep r starts at op r: over len(ops) reps each op runs once in each position, so no op
         always follows the same neighbour (the disk and page cache carry state between them)."""
-        k = rep % len(ops)
+        k = rep % len(ops) if ops else 0
         return ops[k:] + ops[:k]
 
     writes = [zs_save, raw_save] + ([dcp_save_op] if fsdp is not None else [])
     asyncs = [] if args.no_async else [zs_async] + ([dcp_async_op] if fsdp is not None else [])
     reads = [raw_load, zs_load] + ([dcp_load_op] if fsdp is not None else [])
-    for rep in range(args.repeats):
+    for rep in range(args.warmup + args.repeats):
         for op in rotate(writes, rep) + rotate(asyncs, rep) + rotate(reads, rep):
             op(rep)  # rep 0 starts with zs_save: its rank-file size sets the raw baseline's bytes
-        last = rep == args.repeats - 1 and args.keep
-        if not last:
-            rm(zs_root / f"sync-{rep}")
-            rm(scratch / f"dcp-{rep}")
 
     profile = None
     if args.profile:
@@ -394,7 +425,8 @@ def free_port() -> int:
 def launch(args: argparse.Namespace, scratch: Path) -> dict:
     out = scratch / "result.json"
     forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-               if k in ("stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch", "repeats")]
+               if k in ("stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch", "repeats",
+                        "warmup")]
     forward += [f"--{k.replace('_', '-')}" for k in ("no_dcp", "no_async", "keep", "profile") if getattr(args, k)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", "--dir", str(scratch), "--out", str(out), *forward]
@@ -406,7 +438,9 @@ def launch(args: argparse.Namespace, scratch: Path) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout}s"}
     if r.returncode != 0 or not out.exists():
-        tail = "\n".join(r.stderr.strip().splitlines()[-25:])
+        lines = r.stderr.strip().splitlines()
+        errors = [ln for ln in lines if "Error" in ln and "ChildFailedError" not in ln][-3:]
+        tail = "\n".join(lines[-25:] + (["first errors:"] + errors if errors else []))
         return {"error": f"exit {r.returncode}", "log_tail": tail}
     res = json.loads(out.read_text())
     res["launch_s"] = time.perf_counter() - t0
@@ -428,14 +462,16 @@ def fmt_ratio(a: float | None, b: float | None) -> str:
 
 
 def report(res: dict, args: argparse.Namespace) -> list[str]:
-    runs, nbytes = res["runs"], res["bytes"]
+    nbytes, warm = res["bytes"], args.warmup
+    runs = {k: v[warm:] or v for k, v in res["runs"].items()}
     best = {k: min(v) for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in runs.items()}
     rate = {k: nbytes[k] / best[k] / GB for k in nbytes if k in best}
+    peer = ", FSDP2 fully_shard per Block + root" if "dcp_save" in res["runs"] else ""
     lines = [
         f"GPT {args.n_layer}L/{args.n_embd}d/{args.n_head}h, vocab {args.vocab}: {res['n_params'] / 1e6:.1f}M params "
-        f"+ Adam (fp32) | world {res['world_size']} (gloo, CPU) | zeroshard ZeRO stage {res['stage']}, FSDP2 "
-        f"fully_shard per Block + root | torch {res['torch']} | best of {args.repeats} (median in brackets)",
+        f"+ Adam (fp32) | world {res['world_size']} (gloo, CPU) | zeroshard ZeRO stage {res['stage']}{peer} | "
+        f"torch {res['torch']} | best of {args.repeats} after {warm} warm-up rep(s) (median in brackets)",
         "",
         "| operation | bytes (all ranks) | seconds | GB/s | vs raw | vs DCP |",
         "|---|---:|---:|---:|---:|---:|",
@@ -446,7 +482,8 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
             if key not in best:
                 continue
             vs_raw = fmt_ratio(rate.get(key), rate.get(raw_key)) if key != raw_key else "1.00x"
-            vs_dcp = fmt_ratio(rate.get(key), rate.get(dcp_key)) if key == zs_key else ("1.00x" if key == dcp_key else "-")
+            vs_dcp = (fmt_ratio(rate.get(key), rate.get(dcp_key)) if key == zs_key
+                      else "1.00x" if key == dcp_key else "-")
             lines.append(f"| {LABELS[key]} | {nbytes[key]:,} | {best[key]:.3f} ({med[key]:.3f}) | "
                          f"{rate[key]:.2f} | {vs_raw} | {vs_dcp} |")
     if "zs_async_blocked" in best:
@@ -454,7 +491,7 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
         lines.append(f"| zeroshard async save: blocked (snapshot) | {nbytes['zs_save']:,} | "
                      f"{best['zs_async_blocked']:.3f} ({med['zs_async_blocked']:.3f}) | - | "
                      f"{best['zs_async_blocked'] / sync:.1%} of sync save | "
-                     + (fmt_ratio(best.get("dcp_async_blocked"), best["zs_async_blocked"]) + " faster"
+                     + (fmt_ratio(best.get("dcp_async_blocked"), best["zs_async_blocked"])
                         if "dcp_async_blocked" in best else "-") + " |")
         lines.append(f"| zeroshard async save: wait() after return | - | {best['zs_async_wait']:.3f} "
                      f"({med['zs_async_wait']:.3f}) | - | - | - |")
@@ -462,9 +499,11 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
             lines.append(f"| DCP async_save: blocked (staging) | {nbytes.get('dcp_save', 0):,} | "
                          f"{best['dcp_async_blocked']:.3f} ({med['dcp_async_blocked']:.3f}) | - | "
                          f"{best['dcp_async_blocked'] / best['dcp_save']:.1%} of DCP sync save | 1.00x |")
-    lines += ["", "all runs (s, slowest rank, in run order): " + "; ".join(
-        f"{k} " + " ".join(f"{v:.3f}" for v in runs[k]) for k in runs)]
-    lines += ["", "vs raw / vs DCP: throughput ratios (>1: faster than the reference). Seconds: the slowest rank, "
+    lines += ["", "all runs (s, slowest rank, in run order; warm-up reps in brackets): " + "; ".join(
+        f"{k} " + " ".join(f"[{t:.3f}]" if i < warm else f"{t:.3f}" for i, t in enumerate(v))
+        for k, v in res["runs"].items())]
+    lines += ["", "vs raw / vs DCP: throughput ratios (>1: faster than the reference; async rows: DCP's blocked "
+              "seconds / zeroshard's, >1: zeroshard blocks training for less). Seconds: the slowest rank, "
               "barrier-aligned start. Reads come from a warm page cache (files written moments before; caches are "
               "not dropped), so read rows measure the software path, not the disk."]
 

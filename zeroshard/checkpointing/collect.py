@@ -68,9 +68,15 @@ def _scalar_json(value: Any, what: str) -> dict[str, Any]:
     return {"value": to_json_value(value, what)}
 
 
-def collect(engine: "ZeroEngine", snapshot: bool) -> LocalState:
+def collect(engine: "ZeroEngine", snapshot: bool, staging: dict[str, torch.Tensor] | None = None) -> LocalState:
     """This rank's checkpoint content. snapshot=True copies every tensor to CPU (pinned memory
-    on CUDA) so training may go on while a background thread writes it."""
+    on CUDA) so training may go on while a background thread writes it.
+
+    `staging` keeps those copies between saves: allocating (and first touching) fresh memory
+    costs several times more than copying into memory used before, and it is what training
+    waits for. Safe because a save always waits for the previous one first.
+    """
+    staging = {} if staging is None else staging
     specs: list[TensorSpec] = []
     held: dict[str, Held] = {}
     scalar_state: dict[str, dict[str, Any]] = {}
@@ -79,7 +85,11 @@ def collect(engine: "ZeroEngine", snapshot: bool) -> LocalState:
     def keep(name: str, tensor: torch.Tensor, start: int) -> None:
         tensor = tensor.detach().reshape(-1)
         if snapshot or tensor.device.type != "cpu":
-            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            copy = staging.get(name) if snapshot else None
+            if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                if snapshot:
+                    staging[name] = copy
             copy.copy_(tensor, non_blocking=pin)
             tensor = copy
         held[name] = Held(tensor, start)

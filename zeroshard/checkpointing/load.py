@@ -99,7 +99,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         error = exc
     _agree(engine, group, error)
 
-    engine.load_shards(states, strict=False)
+    engine.load_shards(states, strict=False, adopt=True)
     _assign_buffers(engine, buffers)
     _load_engine_state(engine, manifest, load_optimizer_states)
     if lr_scheduler is not None and manifest.extra.get("lr_scheduler") is not None:
@@ -110,10 +110,17 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
 
 def _optimizer_state(reader: CheckpointReader, manifest: Manifest, name: str, info: Any,
                      device: torch.device) -> dict[str, Any]:
+    """Per-element state is read straight into tensors of the engine's padded layout (`chunk`
+    elements, zero padding), which load_shards(adopt=True) takes over without another copy."""
     state: dict[str, Any] = {}
+    owned = info.end - info.start
     for entry in manifest.tensors.values():
         if entry.role == "optimizer" and entry.param == name:
-            state[entry.state] = reader.read_flat(entry, info.start, info.end)
+            padded = torch.empty(info.chunk, dtype=torch_dtype(entry.dtype), device="cpu")
+            padded[owned:].zero_()
+            if owned:
+                reader.read_into(entry, info.start, memoryview(padded[:owned].view(torch.uint8).numpy()))
+            state[entry.state] = padded.to(device) if device.type != "cpu" else padded
     scalars = ((manifest.optimizer or {}).get("scalar_state") or {}).get(name, {})
     for key, value in scalars.items():
         state[key] = _scalar(value, device)

@@ -49,6 +49,7 @@ class CheckpointSaver:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # async snapshots, reused from save to save
         self.last_saved: str | None = None
         atexit.register(self._join_at_exit)
 
@@ -82,7 +83,7 @@ class CheckpointSaver:
             scheduler = to_json_value(lr_scheduler.state_dict(), "lr_scheduler state") if lr_scheduler else None
         else:
             client_state = scheduler = None
-        local = collect(engine, snapshot=async_save)
+        local = collect(engine, snapshot=async_save, staging=self._staging)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)  # the pinned snapshot copies have landed
         job = (root, tag, checkpoint_id, local, client_state, scheduler, keep_last)

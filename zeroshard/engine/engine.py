@@ -332,9 +332,10 @@ class ZeroEngine:
         """(name, ShardInfo) per unique parameter, in named_parameters() order (tied: first name)."""
         return state.named_shards(self)
 
-    def load_shards(self, states: Mapping[str, Mapping[str, Any]], strict: bool = True) -> None:
-        """Assign master fragments / optimizer state per parameter name (collective at stages 1-2)."""
-        state.load_shards(self, states, strict=strict)
+    def load_shards(self, states: Mapping[str, Mapping[str, Any]], strict: bool = True, adopt: bool = False) -> None:
+        """Assign master fragments / optimizer state per parameter name (collective at stages 1-2).
+        adopt=True: padded per-element state tensors become the optimizer state without a copy."""
+        state.load_shards(self, states, strict=strict, adopt=adopt)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights plus buffers on rank 0 (CPU tensors, model.state_dict() names); {} elsewhere."""

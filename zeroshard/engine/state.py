@@ -27,8 +27,14 @@ def named_shards(engine: "ZeroEngine") -> Iterator[tuple[str, ShardInfo]]:
             optimizer_state=engine.optimizer.state.get(s.master, {}) if s.requires_grad else {})
 
 
-def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], strict: bool = True) -> None:
+def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], strict: bool = True,
+                adopt: bool = False) -> None:
     """Assign `{"fragment": tensor, "optimizer_state": {...}}` per parameter name.
+
+    adopt=True lets per-element optimizer state tensors that already have the padded layout
+    (contiguous, `chunk` elements, fp32 or their own integer dtype, on the engine's device)
+    become the optimizer's state as they are, without a copy: the checkpoint loader reads
+    straight into such tensors. The caller must not reuse them.
 
     A fragment (and each per-element state tensor) holds this rank's `end - start` real elements,
     or the padded `chunk`. Either key may be left out. Every rank must call this (stages 1 and 2
@@ -48,14 +54,17 @@ def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], s
             if opt:
                 if not s.requires_grad:
                     raise ValueError(f"load_shards: {name!r} is frozen but optimizer state was given")
-                engine.optimizer.state[s.master] = {k: _pad_state(v, s.master, s.owned) for k, v in opt.items()}
+                engine.optimizer.state[s.master] = {k: _pad_state(v, s.master, s.owned, adopt) for k, v in opt.items()}
     _masters_to_params(engine, [by_name[n] for n in states])
 
 
-def _pad_state(value: Any, master: torch.Tensor, owned: int) -> Any:
+def _pad_state(value: Any, master: torch.Tensor, owned: int, adopt: bool = False) -> Any:
     if not (torch.is_tensor(value) and value.dim() >= 1):
         return value.clone() if torch.is_tensor(value) else value
     dtype = torch.float32 if value.is_floating_point() else value.dtype
+    if (adopt and value.dim() == 1 and value.numel() == master.numel() and value.dtype == dtype
+            and value.device == master.device and value.is_contiguous()):
+        return value
     out = torch.zeros(master.numel(), dtype=dtype, device=master.device)
     set_fragment(out, value.to(master.device, dtype), owned)
     return out
