@@ -18,9 +18,11 @@ setup() {
     if [ -x "$py" ] && [ "$want" = "$have" ]; then return; fi
     echo "== set-up: creating $venv (torch pinned by tools/constraints.txt)"
     [ -x "$py" ] || python3 -m venv "$venv"
-    "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$py" -m pip install -q -c tools/constraints.txt torch==2.13.0
-    "$py" -m pip install -q -c tools/constraints.txt -e ".[test]"
+    # (pip's notes about this machine's local index folders are noise: filtered out)
+    pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+    pip_install --upgrade pip >/dev/null || true
+    pip_install -c tools/constraints.txt torch==2.13.0
+    pip_install -c tools/constraints.txt -e ".[test]"
     echo "$want" > "$venv/.zeroshard-stamp"
 }
 

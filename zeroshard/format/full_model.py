@@ -85,12 +85,13 @@ def _indexed_tensors(folder: Location) -> list[SourceTensor]:
 
 def read_source_range(reader: RangeReader, tensor: SourceTensor, start: int, end: int, chunk_bytes: int,
                       write) -> None:
-    """Stream the bytes of elements [start, end) of `tensor` to `write`, chunk by chunk."""
+    """Stream the bytes of elements [start, end) of `tensor` to `write`, chunk by chunk (two
+    alternating buffers: each chunk stays valid until the next write returns)."""
     size = tensor.itemsize
     step = max(1, chunk_bytes // size) * size
     first, last = tensor.begin + start * size, tensor.begin + end * size
-    buffer = memoryview(bytearray(min(step, last - first)))
-    for offset in range(first, last, step):
-        view = buffer[:min(step, last - offset)]
+    buffers = [memoryview(bytearray(min(step, last - first))) for _ in range(2)]
+    for i, offset in enumerate(range(first, last, step)):
+        view = buffers[i % 2][:min(step, last - offset)]
         reader.read_into(offset, view)
         write(view)

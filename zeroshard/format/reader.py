@@ -75,7 +75,8 @@ class CheckpointReader:
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
-        self._buffer = bytearray()  # reused by iter_range: allocating a buffer per tensor costs more than the copy
+        self._buffers = [bytearray(), bytearray()]  # reused by iter_range: allocating per tensor costs more than the copy
+        self._turn = 0
         self.bytes_read = 0
 
     def _file(self, rank: int) -> tuple[RangeReader, Header]:
@@ -138,18 +139,20 @@ class CheckpointReader:
         """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`
         (default: by location, see chunk_bytes_for).
 
-        The yielded views share one buffer: use each before asking for the next.
+        Two buffers alternate: a yielded view stays valid while the next one is produced (what a
+        write-behind writer needs), and is overwritten by the one after.
         """
         chunk_bytes = chunk_bytes or chunk_bytes_for(self.location)
         size = tensor.itemsize
         step = max(1, chunk_bytes // size)
         need = min(step, max(end - start, 0)) * size
-        if len(self._buffer) < need:
-            self._buffer = bytearray(need)
-        buffer = memoryview(self._buffer)
+        for i, buffer in enumerate(self._buffers):
+            if len(buffer) < need:
+                self._buffers[i] = bytearray(need)
         for chunk_start in range(start, end, step):
             n = min(step, end - chunk_start)
-            view = buffer[:n * size]
+            self._turn ^= 1  # alternate across calls too: the last chunk of the previous tensor may be in flight
+            view = memoryview(self._buffers[self._turn])[:n * size]
             self.read_into(tensor, chunk_start, view)
             yield view
 

@@ -79,17 +79,19 @@ Fill = Callable[[TensorSpec, int, int, Callable[[memoryview], None]], None]
 
 
 def write_rank_file(location: Location, checkpoint_id: str, rank: int, world_size: int,
-                    contents: Sequence[tuple[TensorSpec, int, int]], fill: Fill, durable: bool = True) -> RankFileResult:
+                    contents: Sequence[tuple[TensorSpec, int, int]], fill: Fill, durable: bool = True,
+                    write_behind: bool = False) -> RankFileResult:
     """Stream one rank's file; `fill(spec, start, end, write)` must write exactly the bytes of
     elements [start, end) of `spec`, in order.
 
     A training rank writes its own file durably (fsync before rename). A single process writing
     every rank's file may pass durable=False and have commit_checkpoint(sync_files=True) sync
-    them all at once before the manifest vouches for them.
+    them all at once before the manifest vouches for them. write_behind: see AtomicWriter.
     """
     name = rank_file_name(rank, world_size)
     layout = [(spec.name, spec.dtype, (end - start,)) for spec, start, end in contents]
-    with SafetensorsStreamWriter(location, name, layout, rank_metadata(checkpoint_id, rank, world_size), durable) as out:
+    with SafetensorsStreamWriter(location, name, layout, rank_metadata(checkpoint_id, rank, world_size), durable,
+                                 write_behind) as out:
         for spec, start, end in contents:
             fill(spec, start, end, out.write)
     fragments = {spec.name: Fragment(rank, start, end, out.tensor_hashes[spec.name]) for spec, start, end in contents}

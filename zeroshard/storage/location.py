@@ -15,6 +15,7 @@ import contextlib
 import os
 import posixpath
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Mapping
 
 import fsspec
@@ -237,13 +238,20 @@ class AtomicWriter:
 
     durable=False skips the local fsync before the rename: for files that are synced later,
     together, before anything vouches for them (see Location.fsync).
+
+    write_behind=True hands each write to a background thread, so the caller reads (and hashes)
+    the next chunk while this one is written: a copy loop then costs about max(read, write)
+    rather than their sum. At most one write is in flight: the caller must leave the data of a
+    write() unchanged until its next write() returns (two alternating buffers suffice).
     """
 
-    def __init__(self, location: Location, name: str, durable: bool = True):
+    def __init__(self, location: Location, name: str, durable: bool = True, write_behind: bool = False):
         self.where = location.url_of(name)
         self._location, self._name, self._durable = location, name, durable
         self._file: Any = None
         self._temp: str | None = None
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "zeroshard-write") if write_behind else None
+        self._pending: Future | None = None
         self.bytes_written = 0
 
     def __enter__(self) -> "AtomicWriter":
@@ -258,19 +266,42 @@ class AtomicWriter:
         return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if self._executor is None:
+            self._write_now(view)
+            return
+        self._wait_pending()
+        self._pending = self._executor.submit(self._write_now, view)
+
+    def _write_now(self, view: memoryview) -> None:
         with storage_errors(self.where):
-            view = memoryview(data).cast("B")
             while view:  # raw local files may write partially
                 n = self._file.write(view)
                 n = len(view) if n is None else n
                 self.bytes_written += n
                 view = view[n:]
 
+    def _wait_pending(self) -> None:
+        """Let the write in flight finish; its error, if any, is raised here."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self._commit()
-        else:
+        try:
+            if exc_type is None:
+                self._wait_pending()
+                self._commit()
+            else:
+                with contextlib.suppress(Exception):
+                    self._wait_pending()
+                self._discard()
+        except BaseException:
             self._discard()
+            raise
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
 
     def _commit(self) -> None:
         loc = self._location

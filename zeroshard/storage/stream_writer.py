@@ -20,15 +20,16 @@ class SafetensorsStreamWriter:
     """`with SafetensorsStreamWriter(loc, name, tensors, metadata) as w: w.write(bytes)...`
 
     After the block: `size`, `file_hash` and `tensor_hashes` (name -> hex) describe the file.
+    write_behind: see AtomicWriter (the data of a write must stay unchanged until the next one).
     """
 
     def __init__(self, location: Location, name: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str], durable: bool = True):
+                 metadata: dict[str, str], durable: bool = True, write_behind: bool = False):
         self.where = location.url_of(name)
         self._header, entries = build_header(list(tensors), metadata)
         self.size = max((e.end for e in entries.values()), default=len(self._header))
         self._hasher = SegmentHasher([(e.begin, e.end, n) for n, e in entries.items()])
-        self._out = AtomicWriter(location, name, durable)
+        self._out = AtomicWriter(location, name, durable, write_behind)
         self.file_hash = ""
         self.tensor_hashes: dict[str, str] = {}
 

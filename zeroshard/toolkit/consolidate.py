@@ -102,7 +102,7 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     with CheckpointReader(source, manifest) as reader, byte_bar(total, "consolidate", quiet) as bar:
         for name, shard_tensors in zip(names, shards):
             layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
-            with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}) as writer:
+            with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
                 for tensor in shard_tensors:
                     for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel):
                         data = _cast(chunk, tensor.source.dtype, tensor.dtype)

@@ -69,7 +69,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
                 bar.update(len(chunk))
 
         results = [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
-                                       durable=False)
+                                       durable=False, write_behind=True)
                    for rank in range(world_size)]
     extra = dict(manifest.extra)
     extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}

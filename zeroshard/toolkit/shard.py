@@ -47,7 +47,7 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
         with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
             results = [write_rank_file(target, checkpoint_id, rank, world_size,
                                        rank_contents(specs, world_size, rank), fill,
-                                       durable=False)
+                                       durable=False, write_behind=True)
                        for rank in range(world_size)]
     manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
                               extra={"source": src})
