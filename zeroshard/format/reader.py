@@ -77,6 +77,7 @@ class CheckpointReader:
         self._unverified: set[tuple[str, int]] = set()
         self._buffers = [bytearray(), bytearray()]  # reused by iter_range: allocating per tensor costs more than the copy
         self._turn = 0
+        self._lent: list[tuple[RangeReader, int, int]] = []  # zero-copy views handed out, oldest first
         self.bytes_read = 0
 
     def _file(self, rank: int) -> tuple[RangeReader, Header]:
@@ -139,11 +140,15 @@ class CheckpointReader:
         """Yield the bytes of elements [start, end) in order, in chunks of at most `chunk_bytes`
         (default: by location, see chunk_bytes_for).
 
-        Two buffers alternate: a yielded view stays valid while the next one is produced (what a
-        write-behind writer needs), and is overwritten by the one after.
+        A yielded view stays valid while the next one is produced (what a write-behind writer
+        needs) and may be reused after that. Local files lend zero-copy views of the page cache;
+        remote ones are read into two alternating buffers.
         """
         chunk_bytes = chunk_bytes or chunk_bytes_for(self.location)
         size = tensor.itemsize
+        if self.location.local:
+            yield from self._iter_views(tensor, start, end, max(size, chunk_bytes // size * size))
+            return
         step = max(1, chunk_bytes // size)
         need = min(step, max(end - start, 0)) * size
         for i, buffer in enumerate(self._buffers):
@@ -155,6 +160,31 @@ class CheckpointReader:
             view = memoryview(self._buffers[self._turn])[:n * size]
             self.read_into(tensor, chunk_start, view)
             yield view
+
+    def _iter_views(self, tensor: TensorEntry, start: int, end: int, chunk: int) -> Iterator[memoryview]:
+        size = tensor.itemsize
+        try:
+            plan = pieces((start, end), [(f.start, f.end) for f in tensor.fragments])
+        except ValueError as exc:
+            raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: {exc}") from None
+        for piece in plan:
+            fragment = tensor.fragments[piece.source]
+            reader, header = self._file(fragment.rank)
+            first = piece.source_offset * size
+            for offset in range(first, first + piece.length * size, chunk):
+                length = min(chunk, first + piece.length * size - offset)
+                view = reader.view(header.entries[tensor.name].begin + offset, length)
+                self.bytes_read += length
+                if self.verify_hashes:
+                    self._hash(tensor.name, fragment, offset, view)
+                self._lent.append((reader, header.entries[tensor.name].begin + offset, length))
+                if len(self._lent) > 2:  # two behind: the previous view may still be being written
+                    self._release(*self._lent.pop(0))
+                yield view
+
+    @staticmethod
+    def _release(reader: RangeReader, offset: int, length: int) -> None:
+        reader.release(offset, length)
 
     def _hash(self, name: str, fragment: Fragment, offset: int, data: memoryview) -> None:
         key = (name, fragment.rank)

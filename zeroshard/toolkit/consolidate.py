@@ -117,9 +117,13 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
 def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     if src == dst:
         return chunk
+    import warnings
+
     import torch
 
-    values = torch.frombuffer(chunk, dtype=torch_dtype(src)).to(torch_dtype(dst))
+    with warnings.catch_warnings():  # a read-only view of the page cache: only read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(chunk, dtype=torch_dtype(src)).to(torch_dtype(dst))
     return memoryview(values.view(torch.uint8).numpy())
 
 

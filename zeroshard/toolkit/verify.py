@@ -90,10 +90,16 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
 def _hash_file(reader, header: Header, size: int, chunk: int, bar) -> tuple[str, dict[str, str]]:
     """Hash the whole file and each tensor's bytes in one sequential pass."""
     hasher = SegmentHasher([(e.begin, e.end, n) for n, e in header.entries.items()])
-    buffer = memoryview(bytearray(min(chunk, size)))
+    buffer = None
     for offset in range(0, size, chunk):
-        view = buffer[:min(chunk, size - offset)]
-        reader.read_into(offset, view)
+        length = min(chunk, size - offset)
+        view = reader.view(offset, length)  # zero-copy locally
+        if view is None:
+            buffer = buffer or memoryview(bytearray(min(chunk, size)))
+            view = buffer[:length]
+            reader.read_into(offset, view)
         hasher.update(view)
-        bar.update(len(view))
+        del view
+        reader.release(offset, length)
+        bar.update(length)
     return hasher.hexdigest, hasher.segment_hashes
