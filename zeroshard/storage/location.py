@@ -220,8 +220,9 @@ class RangeReader:
             if self._size == 0:
                 return memoryview(b"")
             with storage_errors(self.where):
+                # no MADV_SEQUENTIAL: it lets the kernel evict pages behind us, and the next
+                # reader of this checkpoint would pay for the disk again
                 self._map = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
-                self._map.madvise(mmap.MADV_SEQUENTIAL)
         return memoryview(self._map)[offset:offset + length]
 
     def release(self, offset: int, length: int) -> None:
