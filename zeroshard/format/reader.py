@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import FileEntry, Fragment, Manifest, TensorEntry
-from zeroshard.partition import pieces
+from zeroshard.partition import Piece, pieces
 from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import Header, read_header
@@ -106,13 +106,7 @@ class CheckpointReader:
         """Fill `buffer` with tensor elements starting at flat index `start` (len must be a
         multiple of the item size)."""
         size = tensor.itemsize
-        end = start + len(buffer) // size
-        ranges = [(f.start, f.end) for f in tensor.fragments]
-        try:
-            plan = pieces((start, end), ranges)
-        except ValueError as exc:
-            raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: {exc}") from None
-        for piece in plan:
+        for piece in self._plan(tensor, start, start + len(buffer) // size):
             fragment = tensor.fragments[piece.source]
             reader, header = self._file(fragment.rank)
             entry = header.entries[tensor.name]
@@ -161,13 +155,16 @@ class CheckpointReader:
             self.read_into(tensor, chunk_start, view)
             yield view
 
-    def _iter_views(self, tensor: TensorEntry, start: int, end: int, chunk: int) -> Iterator[memoryview]:
-        size = tensor.itemsize
+    def _plan(self, tensor: TensorEntry, start: int, end: int) -> list[Piece]:
+        """Which fragments hold elements [start, end), in order (zeroshard.partition.pieces)."""
         try:
-            plan = pieces((start, end), [(f.start, f.end) for f in tensor.fragments])
+            return pieces((start, end), [(f.start, f.end) for f in tensor.fragments])
         except ValueError as exc:
             raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: {exc}") from None
-        for piece in plan:
+
+    def _iter_views(self, tensor: TensorEntry, start: int, end: int, chunk: int) -> Iterator[memoryview]:
+        size = tensor.itemsize
+        for piece in self._plan(tensor, start, end):
             fragment = tensor.fragments[piece.source]
             reader, header = self._file(fragment.rank)
             first = piece.source_offset * size
@@ -179,12 +176,9 @@ class CheckpointReader:
                     self._hash(tensor.name, fragment, offset, view)
                 self._lent.append((reader, header.entries[tensor.name].begin + offset, length))
                 if len(self._lent) > 2:  # two behind: the previous view may still be being written
-                    self._release(*self._lent.pop(0))
+                    lender, lent_at, lent_length = self._lent.pop(0)
+                    lender.release(lent_at, lent_length)
                 yield view
-
-    @staticmethod
-    def _release(reader: RangeReader, offset: int, length: int) -> None:
-        reader.release(offset, length)
 
     def _hash(self, name: str, fragment: Fragment, offset: int, data: memoryview) -> None:
         key = (name, fragment.rank)
