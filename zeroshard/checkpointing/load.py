@@ -20,9 +20,8 @@ import torch.distributed as dist
 from zeroshard.checkpointing.collect import rng_key
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range
+from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import Manifest
-from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -95,6 +94,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
             for name, entry in manifest.tensors.items():
                 if entry.role == "buffer" and name in own:
                     buffers[name] = reader.read_flat(entry).reshape(entry.shape)
+            rng = _read_rng(engine, manifest, reader)
     except (ZeroshardError, OSError, ValueError) as exc:
         error = exc
     _agree(engine, group, error)
@@ -104,7 +104,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     _load_engine_state(engine, manifest, load_optimizer_states)
     if lr_scheduler is not None and manifest.extra.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(manifest.extra["lr_scheduler"])
-    _load_rng(engine, manifest, location)
+    _set_rng(engine, manifest, rng)
     return manifest.client_state
 
 
@@ -144,19 +144,21 @@ def _load_engine_state(engine: "ZeroEngine", manifest: Manifest, with_optimizer:
     engine.load_engine_state(saved)
 
 
-def _load_rng(engine: "ZeroEngine", manifest: Manifest, location: Any) -> None:
-    """Per-rank RNG states come back only at the same world size (they are per rank)."""
+def _read_rng(engine: "ZeroEngine", manifest: Manifest, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """This rank's torch RNG states; only at the same world size (they are per rank)."""
     if manifest.world_size != engine.world_size:
-        return
-    rank = engine.rank
-    with CheckpointReader(location, manifest) as reader:
-        entry = manifest.tensors.get(rng_key(rank, "cpu"))
-        if entry is not None:
-            torch.set_rng_state(reader.read_flat(entry))
-        entry = manifest.tensors.get(rng_key(rank, "cuda"))
-        if entry is not None and engine.device.type == "cuda":
-            torch.cuda.set_rng_state(reader.read_flat(entry), engine.device)
-    saved = (manifest.extra.get("rng") or {}).get(str(rank))
+        return {}
+    devices = ["cpu"] + (["cuda"] if engine.device.type == "cuda" else [])
+    entries = {d: manifest.tensors.get(rng_key(engine.rank, d)) for d in devices}
+    return {d: reader.read_flat(e) for d, e in entries.items() if e is not None}
+
+
+def _set_rng(engine: "ZeroEngine", manifest: Manifest, rng: dict[str, torch.Tensor]) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], engine.device)
+    saved = (manifest.extra.get("rng") or {}).get(str(engine.rank)) if manifest.world_size == engine.world_size else None
     if saved:
         version, internal, gauss = saved["python"]
         random.setstate((version, tuple(internal), gauss))
@@ -205,15 +207,10 @@ def _assign_buffers(engine: "ZeroEngine", buffers: dict[str, torch.Tensor]) -> N
 
 
 def _read_source(folder: Any, readers: dict[str, Any], source: SourceTensor, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a full-model tensor, read straight into a new 1-D tensor."""
     if source.file not in readers:
         readers[source.file] = folder.open_reader(source.file)
     out = torch.empty(end - start, dtype=torch_dtype(source.dtype))
-    view = memoryview(out.view(torch.uint8).numpy())
-    position = [0]
-
-    def write(chunk: memoryview) -> None:
-        view[position[0]:position[0] + len(chunk)] = chunk
-        position[0] += len(chunk)
-
-    read_source_range(readers[source.file], source, start, end, chunk_bytes_for(folder), write)
+    if end > start:
+        readers[source.file].read_into(source.begin + start * source.itemsize, memoryview(out.view(torch.uint8).numpy()))
     return out

@@ -50,7 +50,6 @@ class CheckpointSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: dict[str, torch.Tensor] = {}  # async snapshots, reused from save to save
-        self.last_saved: str | None = None
         atexit.register(self._join_at_exit)
 
     # ---- public ---------------------------------------------------------------------------
@@ -150,7 +149,6 @@ class CheckpointSaver:
         dist.broadcast_object_list(shared, src=0, group=self.group)
         if shared[0] is not None:
             raise CheckpointSaveError(shared[0])
-        self.last_saved = target.url
 
     def _join_at_exit(self) -> None:
         try:

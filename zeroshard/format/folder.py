@@ -8,13 +8,10 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-import re
-
 from zeroshard.errors import CheckpointError, OutputExistsError
-from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, Manifest, is_safe_file_name, parse_manifest
-from zeroshard.storage.location import Location
-
-_RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
+from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, Manifest, is_rank_file_name, is_safe_file_name,
+                                       parse_manifest)
+from zeroshard.storage.location import TEMP_PREFIX, Location
 
 
 def resolve_checkpoint(location: Location) -> Location:
@@ -32,7 +29,7 @@ def resolve_checkpoint(location: Location) -> Location:
         return target
     if not location.exists():
         raise CheckpointError(location.url, "no such checkpoint (path does not exist)")
-    rank_files = [n for n in location.list() if _RANK_FILE.match(n)]
+    rank_files = [n for n in location.list() if is_rank_file_name(n)]
     if rank_files:
         raise CheckpointError(location.url, f"incomplete checkpoint: {len(rank_files)} rank files but no "
                                             f"{MANIFEST_NAME} (the save never committed)")
@@ -76,7 +73,7 @@ def commit_checkpoint(location: Location, manifest: Manifest, previous_names: li
     location.write_bytes(MANIFEST_NAME, manifest.to_json())
     keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in previous_names:
-        if name not in keep and (_RANK_FILE.match(name) or name.startswith(".zeroshard-tmp-")):
+        if name not in keep and (is_rank_file_name(name) or name.startswith(TEMP_PREFIX)):
             location.remove(name)
 
 

@@ -38,6 +38,14 @@ def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+_RANK_FILE_NAME = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
+
+
+def is_rank_file_name(name: str) -> bool:
+    """Whether `name` looks like a rank file (rank_file_name's pattern)."""
+    return bool(_RANK_FILE_NAME.match(name))
+
+
 def is_safe_file_name(name: str) -> bool:
     """A plain name inside the checkpoint folder: no separators, no `..`, not hidden."""
     return bool(_SAFE_FILE_NAME.match(name)) and ".." not in name

@@ -201,10 +201,6 @@ class CheckpointReader:
         else:
             self._hashing[key] = (hasher, position)
 
-    @property
-    def fragments_unverified(self) -> int:
-        return len(self._unverified) + len(self._hashing)
-
     def close(self) -> None:
         for reader, _ in self._open.values():
             reader.close()

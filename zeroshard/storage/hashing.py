@@ -17,10 +17,6 @@ def new_hasher() -> "xxhash.xxh3_64":
     return xxhash.xxh3_64()
 
 
-def hash_bytes(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
 class SegmentHasher:
     """Hashes a byte stream whole and, at the same time, each of its named segments.
 

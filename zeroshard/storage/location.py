@@ -23,7 +23,7 @@ import fsspec
 
 from zeroshard.errors import StorageError
 
-_TEMP_PREFIX = ".zeroshard-tmp-"
+TEMP_PREFIX = ".zeroshard-tmp-"
 
 
 def _boto_errors() -> tuple[type[BaseException], ...]:
@@ -175,13 +175,6 @@ class Location:
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=recursive)
 
-    def remove_stale_temps(self) -> None:
-        """Delete temp files a killed writer left in this (local) folder."""
-        if self.local:
-            for name in self.list():
-                if name.startswith(_TEMP_PREFIX):
-                    self.remove(name)
-
 
 def _protocols(fs: Any) -> tuple[str, ...]:
     proto = fs.protocol
@@ -300,7 +293,7 @@ class AtomicWriter:
         with storage_errors(self.where):
             if loc.local:
                 loc.makedirs()
-                self._temp = loc._full(f"{_TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{self._name}")
+                self._temp = loc._full(f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{self._name}")
                 self._file = open(self._temp, "wb", buffering=0)
             else:
                 self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)

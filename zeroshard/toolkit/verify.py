@@ -9,20 +9,18 @@ Each file is read once, front to back.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format import check_header, resolve_checkpoint
 from zeroshard.format.folder import load_manifest
-from zeroshard.format.manifest import MANIFEST_NAME, FileEntry, Manifest
+from zeroshard.format.manifest import MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name
 from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.hashing import SegmentHasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import Header, read_header
 from zeroshard.toolkit.progress import byte_bar
 
-_RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
 
 
 @dataclass
@@ -49,7 +47,7 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     report.tensors = len(manifest.tensors)
     present = set(location.list())
     for name in sorted(present - {f.name for f in manifest.files}):
-        if _RANK_FILE.match(name):
+        if is_rank_file_name(name):
             report.problems.append(f"{location.url_of(name)}: extra rank file not in {MANIFEST_NAME}")
     total = sum(f.size for f in manifest.files if f.name in present)
     with byte_bar(total, "verify", quiet) as bar:
