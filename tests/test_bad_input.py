@@ -3,6 +3,7 @@ that looks complete is left behind."""
 
 import json
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -23,10 +24,17 @@ def run_cli(*args):
     return result.exit_code, result.output
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    specs, data = training_state()
-    write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3)
+FORMAT_1_0 = Path(__file__).parent / "data" / "format-1.0"
+
+
+@pytest.fixture(params=["1.1", "1.0"])
+def ckpt(tmp_path, request):
+    """The same 3-rank training checkpoint, written now (1.1) or by the 1.0 writer (shipped)."""
+    if request.param == "1.0":
+        shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "ckpt")
+    else:
+        specs, data = training_state()
+        write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3, aliases={"lm_head.weight": "embed.weight"})
     return tmp_path / "ckpt"
 
 
@@ -104,11 +112,73 @@ def test_extra_rank_file(ckpt):
     assert_one_line_error(code, output, "rank-00003-of-00003.safetensors", "extra rank file", exit_code=3)
 
 
-@pytest.mark.parametrize("change,needle", [
+LEGACY_FRAGMENT_EDITS = [  # 1.0 manifests list fragments; each must be what the layout implies
     (lambda d: d["tensors"]["embed.weight"]["fragments"].__setitem__(0, [0, 0, 10**9, "x"]), "out of range"),
     (lambda d: d["tensors"]["embed.weight"]["fragments"][1].__setitem__(1, 100), "overlap"),
     (lambda d: d["tensors"]["embed.weight"]["fragments"][1].__setitem__(1, 140), "not covered"),
     (lambda d: d["tensors"]["embed.weight"]["fragments"].pop(), "not covered"),
+    (lambda d: d["tensors"]["embed.weight"]["fragments"].__setitem__(0, "x"), "must be an array"),
+]
+HOSTILE_EDITS = [  # wrong types, absurd sizes: one line naming the manifest, bounded time and memory
+    (lambda d: d.__setitem__("world_size", 10**5), "one per rank"),
+    (lambda d: d.__setitem__("world_size", 10**7), "out of range"),
+    (lambda d: d.__setitem__("world_size", 10**12), "out of range"),
+    (lambda d: d.__setitem__("world_size", "3"), "world_size must be an integer"),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("dtype", ["F32"]), "dtype must be a string"),
+    (lambda d: d.__setitem__("optimizer", "adam"), "optimizer must be an object"),
+    (lambda d: d["optimizer"].__setitem__("param_groups", {"a": 1}), "param_groups must be an array"),
+    (lambda d: d.__setitem__("zero_stage", "3"), "zero_stage must be an integer"),
+    (lambda d: d.__setitem__("zero_stage", 7), "zero_stage 7 is out of range"),
+    (lambda d: d.__setitem__("tensors", []), "tensors must be an object"),
+    (lambda d: d["files"].__setitem__(0, "rank-00000-of-00003.safetensors"), "files[0] must be an object"),
+    (lambda d: d["files"][0].__setitem__("size", -5), "out of range"),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", [10**9, 10**9]), ("rank files hold only", "not covered")),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", "37x11"), "shape must be an array"),
+    (lambda d: d.__setitem__("aliases", {"x": ["embed.weight"]}), "must be a string"),
+    (lambda d: d.__setitem__("step", 1.5), "step must be an integer"),
+    (lambda d: d.__setitem__("id", {"a": 1}), "id must be a string"),
+    (lambda d: d.pop("files"), "'files' is missing"),
+]
+
+
+@pytest.mark.parametrize("change,needle", HOSTILE_EDITS)
+def test_hostile_manifest_fields(ckpt, change, needle):
+    edit_manifest(ckpt, change)
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "zeroshard.json")
+    assert any(n in output for n in ((needle,) if isinstance(needle, str) else needle)), output
+
+
+def test_local_owner_outside_the_world(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3)
+    edit_manifest(tmp_path / "ckpt", lambda d: d["tensors"]["rng/rank-00002/cpu"].__setitem__("owner", 9))
+    code, output = run_cli("inspect", str(tmp_path / "ckpt"))
+    assert_one_line_error(code, output, "zeroshard.json", "owner", "out of range")
+
+
+def test_legacy_fragment_lists_are_checked(tmp_path):
+    for change, needle in LEGACY_FRAGMENT_EDITS:
+        shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+        shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "ckpt")
+        edit_manifest(tmp_path / "ckpt", change)
+        for command in ("verify", "inspect"):
+            code, output = run_cli(command, str(tmp_path / "ckpt"))
+            assert code in (1, 3) and needle in output and "zeroshard.json" in output, (command, output)
+
+
+def test_deeply_nested_or_huge_manifest(ckpt):
+    text = (ckpt / "zeroshard.json").read_text()
+    (ckpt / "zeroshard.json").write_text(text.replace('"client_state": ', '"client_state": ' + "[" * 100_000 + "]" * 100_000 + ', "x": '))
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "zeroshard.json", "nested too deeply")
+    (ckpt / "zeroshard.json").write_text(text.replace('"version": ', '"version": ' + "1" * 10_000_000 + ', "v": '))
+    code, output = run_cli("inspect", str(ckpt))
+    assert_one_line_error(code, output, "zeroshard.json")
+    assert len(output) < 1000
+
+
+@pytest.mark.parametrize("change,needle", [
     (lambda d: d.__setitem__("version", "2.0"), "not supported"),
     (lambda d: d["files"][1].__setitem__("name", "../../etc/passwd"), "escapes"),
     (lambda d: d["files"][1].__setitem__("name", "/abs/rank.safetensors"), "escapes"),

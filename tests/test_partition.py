@@ -61,3 +61,13 @@ def test_check_tiling_messages():
         check_tiling([(0, 3), (2, 6)], 6)
     with pytest.raises(ValueError, match="outside"):
         check_tiling([(0, 7)], 6)
+
+
+@pytest.mark.parametrize("numel,world", [(0, 3), (1, 4), (10, 4), (1003, 16), (5, 4), (4096, 1024), (4096, 1000)])
+def test_holders_are_exactly_the_overlapping_ranks(numel, world):
+    from zeroshard.partition import holders
+
+    ranges = shard_ranges(numel, world)
+    for start, end in [(0, numel), (0, 1), (numel // 3, numel // 2 + 1), (numel - 1, numel), (2, 2)]:
+        expected = [(r, rng) for r, rng in enumerate(ranges) if rng[1] > rng[0] and max(rng[0], start) < min(rng[1], end)]
+        assert holders(numel, world, start, end) == expected

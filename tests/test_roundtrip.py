@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
-from zeroshard.format import open_checkpoint
+from zeroshard.format import HASH_TABLE_NAME, CheckpointReader, open_checkpoint, owned_range
 from zeroshard.toolkit.consolidate import consolidate, parse_size, plan_shards
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.shard import shard
@@ -40,12 +40,15 @@ def test_rank_files_open_with_plain_safetensors(tmp_path):
     for file in manifest.files:
         with safe_open(str(tmp_path / "ckpt" / file.name), "pt") as f:
             meta = f.metadata()
-            assert meta["format"] == "zeroshard-checkpoint" and meta["format_version"] == "1.0"
+            assert meta["format"] == "zeroshard-checkpoint" and meta["format_version"] == "1.1"
             assert meta["rank"] == str(file.rank) and meta["world_size"] == "4"
             assert meta["checkpoint_id"] == manifest.id
-            for key in f.keys():
-                fragment = next(fr for fr in manifest.tensors[key].fragments if fr.rank == file.rank)
-                assert f.get_tensor(key).shape == (fragment.end - fragment.start,)
+            keys = [k for k in f.keys() if k != HASH_TABLE_NAME]
+            assert len(keys) == len(f.keys()) - 1
+            for key in keys:
+                start, end = owned_range(manifest.tensors[key], 4, file.rank)
+                assert f.get_tensor(key).shape == (end - start,)
+            assert f.get_tensor(HASH_TABLE_NAME).shape == (len(keys),)
 
 
 @pytest.mark.parametrize("middle", [1, 2, 3, 5, 16])
@@ -82,12 +85,15 @@ def test_reshard_output_is_what_a_native_save_would_be(tmp_path):
     write_checkpoint(str(tmp_path / "w4"), specs, data, 4, rng=False)
     write_checkpoint(str(tmp_path / "w6"), specs, data, 6, rng=False)
     reshard(str(tmp_path / "w4"), 6, str(tmp_path / "r6"))
-    _, native = open_checkpoint(str(tmp_path / "w6"))
-    _, resharded = open_checkpoint(str(tmp_path / "r6"))
+    native_location, native = open_checkpoint(str(tmp_path / "w6"))
+    resharded_location, resharded = open_checkpoint(str(tmp_path / "r6"))
     assert [(f.name, f.size) for f in native.files] == [(f.name, f.size) for f in resharded.files]
-    for name, t in native.tensors.items():
-        assert [(f.rank, f.start, f.end, f.hash) for f in t.fragments] == \
-               [(f.rank, f.start, f.end, f.hash) for f in resharded.tensors[name].fragments]
+    assert list(native.tensors.values()) == list(resharded.tensors.values())
+    with CheckpointReader(native_location, native) as a, CheckpointReader(resharded_location, resharded) as b:
+        for t in native.tensors.values():
+            for rank in range(6):
+                if owned_range(t, 6, rank)[1] > owned_range(t, 6, rank)[0]:
+                    assert a.fragment_hash(t.name, rank) == b.fragment_hash(t.name, rank)
 
 
 def test_consolidate_writes_only_model_weights_and_tied_aliases(tmp_path):

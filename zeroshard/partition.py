@@ -40,6 +40,19 @@ def shard_ranges(numel: int, world_size: int) -> list[Range]:
     return [shard_range(numel, world_size, r) for r in range(world_size)]
 
 
+def holders(numel: int, world_size: int, start: int, end: int) -> list[tuple[int, Range]]:
+    """The ranks whose ranges overlap elements [start, end), with their whole ranges, in order.
+
+    O(ranks returned): a reader planning one rank's share of a 2,048-rank checkpoint touches
+    only the two or three ranks that hold it, never the whole list.
+    """
+    size = chunk_size(numel, world_size)
+    start, end = max(start, 0), min(end, numel)
+    if end <= start:
+        return []
+    return [(r, (r * size, min((r + 1) * size, numel))) for r in range(start // size, (end - 1) // size + 1)]
+
+
 def intersect(a: Range, b: Range) -> Range | None:
     """The common part of two ranges, or None when they do not overlap."""
     start, end = max(a[0], b[0]), min(a[1], b[1])

@@ -1,4 +1,4 @@
-"""Checkpoint format v1 (docs/FORMAT.md): manifest, rank files, commit, reading and writing.
+"""Checkpoint format 1.1 (docs/FORMAT.md; 1.0 read too): manifest, rank files, commit, reading and writing.
 
 Shared by the toolkit and the training core; built on zeroshard.storage and zeroshard.partition.
 """
@@ -14,6 +14,7 @@ from zeroshard.format.folder import (
 from zeroshard.format.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    HASH_TABLE_NAME,
     LATEST_NAME,
     MANIFEST_NAME,
     FileEntry,
@@ -25,11 +26,12 @@ from zeroshard.format.manifest import (
     rank_file_name,
 )
 from zeroshard.format.reader import CheckpointReader, check_header
-from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, owned_range, rank_contents, write_rank_file
+from zeroshard.format.manifest import owned_range, rank_contents
+from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, write_rank_file
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "CheckpointReader", "FileEntry", "Fragment",
-    "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header", "check_manifest",
+    "HASH_TABLE_NAME", "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header", "check_manifest",
     "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest", "prepare_output_folder",
     "rank_contents", "rank_file_name", "resolve_checkpoint", "update_latest", "write_rank_file",
 ]

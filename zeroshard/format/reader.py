@@ -1,18 +1,23 @@
 """Reading element ranges of global tensors out of a checkpoint's rank files.
 
-Only the bytes asked for are read (os.pread locally, HTTP range requests on S3). Each rank
-file's header is read once and checked against the manifest before any data is trusted.
-Fragment hashes are checked whenever a fragment is read front to back, across as many calls
-as it takes, which is how consolidate and reshard read; a mismatch is an error naming the file.
+Only the bytes asked for are read (os.pread locally, HTTP range requests on S3), and only from
+the files that hold them: which ranks hold a range follows from the tensor's layout
+(zeroshard.partition.holders), so planning one rank's share costs O(ranks touched), whatever
+the world size. Each rank file's header is read once and checked against the manifest before
+any data is trusted. Fragment hashes (the file's own table in 1.1, the manifest's list in 1.0)
+are checked whenever a fragment is read front to back, across as many calls as it takes, which
+is how consolidate and reshard read; a mismatch is an error naming the file.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import FileEntry, Fragment, Manifest, TensorEntry
-from zeroshard.partition import Piece, pieces
+from zeroshard.format.manifest import HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry, rank_contents
+from zeroshard.format.writer import parse_hash_table
+from zeroshard.partition import holders
 from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import Header, read_header
@@ -29,6 +34,15 @@ def chunk_bytes_for(location: Location) -> int:
     return DEFAULT_CHUNK_BYTES if location.local else REMOTE_CHUNK_BYTES
 
 
+def fragments_of(tensor: TensorEntry, world_size: int, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
+    """(rank, fragment start, fragment end) of every fragment holding elements of [start, end), in order."""
+    end = tensor.numel if end is None else end
+    if tensor.layout == "flat":
+        return [(rank, s, e) for rank, (s, e) in holders(tensor.numel, world_size, start, end)]
+    holder = tensor.owner if tensor.layout == "local" else 0
+    return [(holder, 0, tensor.numel)] if tensor.numel and start < end else []
+
+
 def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[str]:
     """Disagreements between a rank file's header and the manifest, as messages."""
     problems = []
@@ -36,31 +50,41 @@ def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[st
     expected = {"format_version": manifest.version, "checkpoint_id": manifest.id,
                 "rank": str(file.rank), "world_size": str(manifest.world_size)}
     for key, value in expected.items():
-        if key == "format_version":
-            if meta.get(key, "").split(".")[0] != value.split(".")[0]:
-                problems.append(f"header says format version {meta.get(key)!r}, manifest {value!r}")
-        elif meta.get(key) != value:
-            problems.append(f"header {key} is {meta.get(key)!r}, manifest expects {value!r}"
+        if meta.get(key) != value:
+            problems.append(f"header {key} is {str(meta.get(key))[:40]!r}, manifest expects {value!r}"
                             + (" (a file from another save?)" if key == "checkpoint_id" else ""))
     if header.file_size != file.size:
         problems.append(f"header implies {header.file_size} bytes, manifest records {file.size}")
-    wanted = {}
-    for t in manifest.tensors.values():
-        for f in t.fragments:
-            if f.rank == file.rank:
-                wanted[t.name] = (t, f)
-    for name, (t, f) in wanted.items():
-        entry = header.entries.get(name)
+    contents = rank_contents(manifest.tensors.values(), manifest.world_size, file.rank)
+    for t, start, end in contents:
+        entry = header.entries.get(t.name)
         if entry is None:
-            problems.append(f"tensor {name!r} is missing from the file")
+            problems.append(f"tensor {t.name!r} is missing from the file")
         elif entry.dtype != t.dtype:
-            problems.append(f"tensor {name!r} is {entry.dtype} in the file, {t.dtype} in the manifest")
-        elif entry.shape != (f.numel,):
-            problems.append(f"tensor {name!r} has shape {list(entry.shape)} in the file, manifest fragment has {f.numel} elements")
-    for name in header.entries:
-        if name not in wanted:
-            problems.append(f"tensor {name!r} is in the file but not in the manifest")
+            problems.append(f"tensor {t.name!r} is {entry.dtype} in the file, {t.dtype} in the manifest")
+        elif entry.shape != (end - start,):
+            problems.append(f"tensor {t.name!r} has shape {list(entry.shape)} in the file, manifest fragment has "
+                            f"{end - start} elements")
+    expected_count = len(contents)
+    if manifest.legacy_hashes is None:
+        table = header.entries.get(HASH_TABLE_NAME)
+        if table is None or table.dtype != "U64" or table.shape != (expected_count,):
+            problems.append(f"fragment hash table {HASH_TABLE_NAME!r} is missing or not U64[{expected_count}]")
+        elif table.end != header.file_size:
+            problems.append(f"fragment hash table {HASH_TABLE_NAME!r} is not the file's last tensor")
+        expected_count += 1
+    if len(header.entries) != expected_count:
+        known = {t.name for t, _, _ in contents} | {HASH_TABLE_NAME}
+        stray = next((n for n in header.entries if n not in known), None)
+        problems.append(f"tensor {str(stray)[:80]!r} is in the file but not in the manifest")
     return problems
+
+
+@dataclass
+class _OpenFile:
+    reader: RangeReader
+    header: Header
+    hashes: dict[str, str] | None = None  # fragment hashes from the file's table, read on first use
 
 
 class CheckpointReader:
@@ -70,8 +94,7 @@ class CheckpointReader:
         self.location = location
         self.manifest = manifest
         self.verify_hashes = verify_hashes
-        self._files = {f.rank: f for f in manifest.files}
-        self._open: dict[int, tuple[RangeReader, Header]] = {}
+        self._open: dict[int, _OpenFile] = {}
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
@@ -80,9 +103,9 @@ class CheckpointReader:
         self._lent: list[tuple[RangeReader, int, int]] = []  # zero-copy views handed out, oldest first
         self.bytes_read = 0
 
-    def _file(self, rank: int) -> tuple[RangeReader, Header]:
+    def _file(self, rank: int) -> _OpenFile:
         if rank not in self._open:
-            file = self._files[rank]
+            file = self.manifest.file_for_rank(rank)
             reader = self.location.open_reader(file.name)
             try:
                 size = self.location.size(file.name)
@@ -96,26 +119,34 @@ class CheckpointReader:
             except BaseException:
                 reader.close()
                 raise
-            self._open[rank] = (reader, header)
+            self._open[rank] = _OpenFile(reader, header)
         return self._open[rank]
 
+    def fragment_hash(self, name: str, rank: int) -> str:
+        """The recorded hash of `name`'s fragment in `rank`'s file."""
+        if self.manifest.legacy_hashes is not None:
+            return self.manifest.legacy_hashes[(name, rank)]
+        opened = self._file(rank)
+        if opened.hashes is None:
+            opened.hashes = read_hash_table(opened.reader, opened.header)
+        return opened.hashes[name]
+
     def where(self, rank: int) -> str:
-        return self.location.url_of(self._files[rank].name)
+        return self.location.url_of(self.manifest.file_for_rank(rank).name)
 
     def read_into(self, tensor: TensorEntry, start: int, buffer: memoryview) -> None:
         """Fill `buffer` with tensor elements starting at flat index `start` (len must be a
         multiple of the item size)."""
         size = tensor.itemsize
-        for piece in self._plan(tensor, start, start + len(buffer) // size):
-            fragment = tensor.fragments[piece.source]
-            reader, header = self._file(fragment.rank)
-            entry = header.entries[tensor.name]
-            out = buffer[piece.target_offset * size:(piece.target_offset + piece.length) * size]
-            offset = piece.source_offset * size
-            reader.read_into(entry.begin + offset, out)
+        for rank, source_offset, target_offset, length in self._plan(tensor, start, start + len(buffer) // size):
+            opened = self._file(rank)
+            entry = opened.header.entries[tensor.name]
+            out = buffer[target_offset * size:(target_offset + length) * size]
+            offset = source_offset * size
+            opened.reader.read_into(entry.begin + offset, out)
             self.bytes_read += len(out)
             if self.verify_hashes:
-                self._hash(tensor.name, fragment, offset, out)
+                self._hash(tensor, rank, offset, out)
 
     def read_flat(self, tensor: TensorEntry, start: int = 0, end: int | None = None) -> "torch.Tensor":
         """Elements [start, end) of a global tensor as a new 1-D torch tensor."""
@@ -155,33 +186,38 @@ class CheckpointReader:
             self.read_into(tensor, chunk_start, view)
             yield view
 
-    def _plan(self, tensor: TensorEntry, start: int, end: int) -> list[Piece]:
-        """Which fragments hold elements [start, end), in order (zeroshard.partition.pieces)."""
-        try:
-            return pieces((start, end), [(f.start, f.end) for f in tensor.fragments])
-        except ValueError as exc:
-            raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: {exc}") from None
+    def _plan(self, tensor: TensorEntry, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """(rank, offset in its fragment, offset in the target, length) in elements, covering
+        [start, end) in order."""
+        if not 0 <= start <= end <= tensor.numel:
+            raise CheckpointError(self.location.url, f"tensor {tensor.name!r}: elements [{start}, {end}) are "
+                                                     f"outside its {tensor.numel}")
+        plan = []
+        for rank, frag_start, frag_end in fragments_of(tensor, self.manifest.world_size, start, end):
+            lo, hi = max(start, frag_start), min(end, frag_end)
+            plan.append((rank, lo - frag_start, lo - start, hi - lo))
+        return plan
 
     def _iter_views(self, tensor: TensorEntry, start: int, end: int, chunk: int) -> Iterator[memoryview]:
         size = tensor.itemsize
-        for piece in self._plan(tensor, start, end):
-            fragment = tensor.fragments[piece.source]
-            reader, header = self._file(fragment.rank)
-            first = piece.source_offset * size
-            for offset in range(first, first + piece.length * size, chunk):
-                length = min(chunk, first + piece.length * size - offset)
-                view = reader.view(header.entries[tensor.name].begin + offset, length)
-                self.bytes_read += length
+        for rank, source_offset, _, length in self._plan(tensor, start, end):
+            opened = self._file(rank)
+            begin = opened.header.entries[tensor.name].begin
+            first = source_offset * size
+            for offset in range(first, first + length * size, chunk):
+                n = min(chunk, first + length * size - offset)
+                view = opened.reader.view(begin + offset, n)
+                self.bytes_read += n
                 if self.verify_hashes:
-                    self._hash(tensor.name, fragment, offset, view)
-                self._lent.append((reader, header.entries[tensor.name].begin + offset, length))
+                    self._hash(tensor, rank, offset, view)
+                self._lent.append((opened.reader, begin + offset, n))
                 if len(self._lent) > 2:  # two behind: the previous view may still be being written
                     lender, lent_at, lent_length = self._lent.pop(0)
                     lender.release(lent_at, lent_length)
                 yield view
 
-    def _hash(self, name: str, fragment: Fragment, offset: int, data: memoryview) -> None:
-        key = (name, fragment.rank)
+    def _hash(self, tensor: TensorEntry, rank: int, offset: int, data: memoryview) -> None:
+        key = (tensor.name, rank)
         if key in self._unverified:
             return
         hasher, expected = self._hashing.get(key, (None, 0))
@@ -193,17 +229,18 @@ class CheckpointReader:
             hasher = new_hasher()
         hasher.update(data)
         position = offset + len(data)
-        if position == fragment.numel * self.manifest.tensors[name].itemsize:
+        entry = self._file(rank).header.entries[tensor.name]
+        if position == entry.end - entry.begin:
             self._hashing.pop(key, None)
-            if hasher.hexdigest() != fragment.hash:
-                raise CheckpointError(self.where(fragment.rank),
-                                      f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+            if hasher.hexdigest() != self.fragment_hash(tensor.name, rank):
+                raise CheckpointError(self.where(rank),
+                                      f"tensor {tensor.name!r}: content hash mismatch (file corrupt or modified)")
         else:
             self._hashing[key] = (hasher, position)
 
     def close(self) -> None:
-        for reader, _ in self._open.values():
-            reader.close()
+        for opened in self._open.values():
+            opened.reader.close()
         self._open.clear()
 
     def __enter__(self) -> "CheckpointReader":
@@ -211,3 +248,11 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_hash_table(reader: RangeReader, header: Header) -> dict[str, str]:
+    """A 1.1 rank file's fragment hashes by tensor name (its table lists them in data-offset order)."""
+    table = header.entries[HASH_TABLE_NAME]
+    hashes = parse_hash_table(reader.read(table.begin, table.end - table.begin))
+    names = [n for n, e in sorted(header.entries.items(), key=lambda kv: kv[1].begin) if n != HASH_TABLE_NAME]
+    return dict(zip(names, hashes))

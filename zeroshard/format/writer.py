@@ -2,65 +2,23 @@
 
 Used by the toolkit (shard, reshard) and by the training core's save alike, so there is one
 writer of the format. A rank file is streamed: the caller's `fill` callback produces the bytes
-of each fragment in file order, and the writer hashes them on the way out.
+of each fragment in file order, the writer hashes them on the way out and appends the file's
+fragment-hash table (format 1.1) as its last tensor.
 """
 
 from __future__ import annotations
 
-import math
+import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
-from zeroshard.format.manifest import FORMAT_NAME, FORMAT_VERSION, FileEntry, Fragment, Manifest, TensorEntry, rank_file_name
-from zeroshard.partition import shard_range
+from zeroshard.format.manifest import (FORMAT_NAME, FORMAT_VERSION, HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry,
+                                       rank_contents, rank_file_name)
 from zeroshard.storage.location import Location
-from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A global tensor to be stored, before any file exists."""
-
-    name: str
-    role: str
-    dtype: str
-    shape: tuple[int, ...]
-    layout: str = "flat"
-    param: str | None = None
-    state: str | None = None
-    owner: int = 0  # the rank holding a 'local' tensor
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @classmethod
-    def of(cls, entry: TensorEntry) -> "TensorSpec":
-        owner = entry.fragments[0].rank if entry.layout == "local" and entry.fragments else 0
-        return cls(entry.name, entry.role, entry.dtype, entry.shape, entry.layout, entry.param, entry.state, owner)
-
-
-def owned_range(spec: TensorSpec, world_size: int, rank: int) -> tuple[int, int]:
-    """Elements of `spec` that `rank`'s file holds under the format's layout rules."""
-    if spec.layout == "flat":
-        return shard_range(spec.numel, world_size, rank)
-    holder = spec.owner if spec.layout == "local" else 0
-    return (0, spec.numel) if rank == holder else (0, 0)
-
-
-def rank_contents(specs: Iterable[TensorSpec], world_size: int, rank: int) -> list[tuple[TensorSpec, int, int]]:
-    """(tensor, start, end) for every non-empty fragment of `rank`'s file, in file order."""
-    out = []
-    for spec in specs:
-        start, end = owned_range(spec, world_size, rank)
-        if end > start:
-            out.append((spec, start, end))
-    return out
+# A tensor to be stored, before any file exists: the same description the manifest keeps.
+TensorSpec = TensorEntry
 
 
 def rank_metadata(checkpoint_id: str, rank: int, world_size: int) -> dict[str, str]:
@@ -69,10 +27,27 @@ def rank_metadata(checkpoint_id: str, rank: int, world_size: int) -> dict[str, s
             "rank": str(rank), "world_size": str(world_size)}
 
 
+def rank_file_layout(contents: Sequence[tuple[TensorSpec, int, int]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors of a 1.1 rank file in order: its fragments, then the fragment-hash table."""
+    layout = [(spec.name, spec.dtype, (end - start,)) for spec, start, end in contents]
+    layout.append((HASH_TABLE_NAME, "U64", (len(contents),)))
+    return layout
+
+
+def hash_table_bytes(hashes: Sequence[str]) -> bytes:
+    """The hash table's data: each fragment's XXH3-64 as a little-endian u64, in file order."""
+    return struct.pack(f"<{len(hashes)}Q", *(int(h, 16) for h in hashes))
+
+
+def parse_hash_table(data: bytes | memoryview) -> list[str]:
+    """hash_table_bytes' inverse: the 16-hex-digit hashes, in file order."""
+    return [f"{v:016x}" for v in struct.unpack(f"<{len(data) // 8}Q", data)]
+
+
 @dataclass
 class RankFileResult:
     file: FileEntry
-    fragments: dict[str, Fragment]  # tensor name -> the fragment this file holds
+    fragment_hashes: dict[str, str]  # tensor name -> hash of the fragment this file holds
 
 
 Fill = Callable[[TensorSpec, int, int, Callable[[memoryview], None]], None]
@@ -89,23 +64,19 @@ def write_rank_file(location: Location, checkpoint_id: str, rank: int, world_siz
     them all at once before the manifest vouches for them. write_behind: see AtomicWriter.
     """
     name = rank_file_name(rank, world_size)
-    layout = [(spec.name, spec.dtype, (end - start,)) for spec, start, end in contents]
-    with SafetensorsStreamWriter(location, name, layout, rank_metadata(checkpoint_id, rank, world_size), durable,
-                                 write_behind) as out:
+    with SafetensorsStreamWriter(location, name, rank_file_layout(contents),
+                                 rank_metadata(checkpoint_id, rank, world_size), durable, write_behind) as out:
         for spec, start, end in contents:
             fill(spec, start, end, out.write)
-    fragments = {spec.name: Fragment(rank, start, end, out.tensor_hashes[spec.name]) for spec, start, end in contents}
-    return RankFileResult(FileEntry(name, rank, out.size, out.file_hash), fragments)
+        hashes = [out.segment_hash(spec.name) for spec, _, _ in contents]
+        out.write(hash_table_bytes(hashes))
+    return RankFileResult(FileEntry(name, rank, out.size, out.file_hash),
+                          {spec.name: h for (spec, _, _), h in zip(contents, hashes)})
 
 
 def build_manifest(specs: Sequence[TensorSpec], world_size: int, results: Sequence[RankFileResult],
                    checkpoint_id: str, **fields: object) -> Manifest:
     """The manifest describing `results` (one per rank); `fields` are Manifest's optional fields."""
-    tensors: dict[str, TensorEntry] = {}
-    by_rank = sorted(results, key=lambda r: r.file.rank)
-    for spec in specs:
-        fragments = [r.fragments[spec.name] for r in by_rank if spec.name in r.fragments]
-        tensors[spec.name] = TensorEntry(spec.name, spec.role, spec.dtype, spec.shape, spec.layout,
-                                         fragments, spec.param, spec.state)
-    return Manifest(world_size=world_size, tensors=tensors, files=[r.file for r in by_rank], id=checkpoint_id,
+    files = sorted((r.file for r in results), key=lambda f: f.rank)
+    return Manifest(world_size=world_size, tensors={s.name: s for s in specs}, files=files, id=checkpoint_id,
                     **fields)  # type: ignore[arg-type]

@@ -49,6 +49,10 @@ class SafetensorsStreamWriter:
             raise StorageError(self.where, f"writer bug: {self._hasher.offset + len(view)} bytes written into a {self.size}-byte file")
         self._write(view)
 
+    def segment_hash(self, name: str) -> str:
+        """The hash of tensor `name`, available as soon as its last byte was written."""
+        return self._hasher.segment_hashes[name]
+
     def _write(self, view: memoryview) -> None:
         self._hasher.update(view)
         self._out.write(view)

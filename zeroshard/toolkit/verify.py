@@ -1,9 +1,9 @@
 """`zeroshard verify`: is every byte of a checkpoint where the manifest says, and unchanged?
 
 Checks, collecting every problem rather than stopping at the first: the manifest parses and is
-structurally sound (fragments tile each tensor exactly once, partition rule, names); every rank
-file is present with the recorded size; each header agrees with the manifest (checkpoint id,
-rank, dtypes, shapes); the whole-file hash and every fragment hash match; no stray rank files.
+structurally sound (types, bounds, names, layouts); every rank file is present with the recorded
+size; each header agrees with the manifest (checkpoint id, rank, dtypes, shapes, the fragment
+hash table); the whole-file hash and every fragment hash match; no stray rank files.
 Each file is read once, front to back.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format import check_header, resolve_checkpoint
 from zeroshard.format.folder import load_manifest
-from zeroshard.format.manifest import MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name
-from zeroshard.format.reader import chunk_bytes_for
+from zeroshard.format.manifest import HASH_TABLE_NAME, MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name
+from zeroshard.format.reader import chunk_bytes_for, read_hash_table
 from zeroshard.storage.hashing import SegmentHasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import Header, read_header
@@ -75,12 +75,15 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
         problems = check_header(header, file, manifest)
         if problems:
             return problems
-        expected = {t.name: f.hash for t in manifest.tensors.values() for f in t.fragments if f.rank == file.rank}
+        if manifest.legacy_hashes is None:
+            expected = read_hash_table(reader, header)
+        else:
+            expected = {name: manifest.legacy_hashes[(name, file.rank)] for name in header.entries}
         file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), bar)
     if file_hash != file.hash:
         problems.append("content hash mismatch (file corrupt or modified)")
     for name, digest in tensor_hashes.items():
-        if expected.get(name) != digest:
+        if name != HASH_TABLE_NAME and expected.get(name) != digest:
             problems.append(f"tensor {name!r}: content hash mismatch")
     return problems
 
