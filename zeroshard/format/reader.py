@@ -81,7 +81,7 @@ def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[st
 
 
 @dataclass
-class _OpenFile:
+class OpenFile:
     reader: RangeReader
     header: Header
     hashes: dict[str, str] | None = None  # fragment hashes from the file's table, read on first use
@@ -94,7 +94,7 @@ class CheckpointReader:
         self.location = location
         self.manifest = manifest
         self.verify_hashes = verify_hashes
-        self._open: dict[int, _OpenFile] = {}
+        self._open: dict[int, OpenFile] = {}
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
@@ -103,7 +103,8 @@ class CheckpointReader:
         self._lent: list[tuple[RangeReader, int, int]] = []  # zero-copy views handed out, oldest first
         self.bytes_read = 0
 
-    def _file(self, rank: int) -> _OpenFile:
+    def open_file(self, rank: int) -> OpenFile:
+        """Rank `rank`'s file, opened and its header checked against the manifest (once)."""
         if rank not in self._open:
             file = self.manifest.file_for_rank(rank)
             reader = self.location.open_reader(file.name)
@@ -119,14 +120,14 @@ class CheckpointReader:
             except BaseException:
                 reader.close()
                 raise
-            self._open[rank] = _OpenFile(reader, header)
+            self._open[rank] = OpenFile(reader, header)
         return self._open[rank]
 
     def fragment_hash(self, name: str, rank: int) -> str:
         """The recorded hash of `name`'s fragment in `rank`'s file."""
         if self.manifest.legacy_hashes is not None:
             return self.manifest.legacy_hashes[(name, rank)]
-        opened = self._file(rank)
+        opened = self.open_file(rank)
         if opened.hashes is None:
             opened.hashes = read_hash_table(opened.reader, opened.header)
         return opened.hashes[name]
@@ -139,7 +140,7 @@ class CheckpointReader:
         multiple of the item size)."""
         size = tensor.itemsize
         for rank, source_offset, target_offset, length in self._plan(tensor, start, start + len(buffer) // size):
-            opened = self._file(rank)
+            opened = self.open_file(rank)
             entry = opened.header.entries[tensor.name]
             out = buffer[target_offset * size:(target_offset + length) * size]
             offset = source_offset * size
@@ -201,7 +202,7 @@ class CheckpointReader:
     def _iter_views(self, tensor: TensorEntry, start: int, end: int, chunk: int) -> Iterator[memoryview]:
         size = tensor.itemsize
         for rank, source_offset, _, length in self._plan(tensor, start, end):
-            opened = self._file(rank)
+            opened = self.open_file(rank)
             begin = opened.header.entries[tensor.name].begin
             first = source_offset * size
             for offset in range(first, first + length * size, chunk):
@@ -229,7 +230,7 @@ class CheckpointReader:
             hasher = new_hasher()
         hasher.update(data)
         position = offset + len(data)
-        entry = self._file(rank).header.entries[tensor.name]
+        entry = self.open_file(rank).header.entries[tensor.name]
         if position == entry.end - entry.begin:
             self._hashing.pop(key, None)
             if hasher.hexdigest() != self.fragment_hash(tensor.name, rank):

@@ -1,9 +1,10 @@
 """`zeroshard consolidate`: the full model's weights out of a sharded checkpoint.
 
 Output is one `.safetensors` file, or HF's sharded layout (`model-00001-of-0000N.safetensors`
-plus `model.safetensors.index.json`). The output header is computed from the manifest up front;
-then each tensor's bytes are streamed from the rank files in order through one copy buffer.
-Without a dtype cast the output bytes are the stored bytes: bit-exact.
+plus `model.safetensors.index.json`). The output headers are computed from the manifest up front.
+Local outputs are filled rank-major (zeroshard.toolkit.transfer: each rank file read once, each
+fragment placed at its offset; optionally by several processes); S3 outputs are streamed front to
+back. Without a dtype cast the output bytes are the stored bytes: bit-exact.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 
 from zeroshard.errors import OutputExistsError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.manifest import TensorEntry
+from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.storage.location import Location
-from zeroshard.storage.safetensors_header import DTYPE_SIZES, torch_dtype
+from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
+from zeroshard.toolkit.transfer import Job, OutTensor, cast_bytes, create_outputs, plan_output, run_transfer, split_tasks
 from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
@@ -63,8 +65,11 @@ def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[Output
 
 
 def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
-                overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True) -> list[str]:
+                overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
+                workers: int = 1) -> list[str]:
     """Write the model's weights at `out`; returns the URLs of the files written."""
+    if workers < 1:
+        raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
     if dtype is not None and dtype not in CAST_DTYPES:
         raise ZeroshardError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
@@ -98,8 +103,38 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
         folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
 
     total = sum(t.nbytes for t in tensors)
-    written = []
-    with CheckpointReader(source, manifest) as reader, byte_bar(total, "consolidate", quiet) as bar:
+    with byte_bar(total, "consolidate", quiet) as bar:
+        write = _write_rank_major if folder.local else _write_streaming
+        write(source, manifest, folder, names, shards, bar.update, workers)
+    if not single_file:
+        _finish_folder(folder, names, shards, total)
+    return [folder.url_of(name) for name in names]
+
+
+def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
+                      shards: list[list[OutputTensor]], progress, workers: int) -> None:
+    """Local outputs: every input file read once, each fragment placed at its offset (transfer.py)."""
+    plans = [plan_output(name, [OutTensor(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
+                         {"format": "pt"}, hash_table=False)
+             for name, shard in zip(names, shards)]
+    outputs = create_outputs(folder, plans)
+    try:
+        job = Job(source.url, source.storage_options, manifest, folder.url, plans, [o.temp_path for o in outputs])
+        run_transfer(job, split_tasks(plans, manifest.world_size, workers), workers, progress)
+        folder.fsync([o.temp_path.rsplit("/", 1)[-1] for o in outputs])  # durable before it appears
+        for output in outputs:
+            output.commit()
+        folder.fsync(names)  # (already clean) and the folder entry of each rename
+    except BaseException:
+        for output in outputs:
+            output.discard()
+        raise
+
+
+def _write_streaming(source: Location, manifest: Manifest, folder: Location, names: list[str],
+                     shards: list[list[OutputTensor]], progress, workers: int) -> None:
+    """Remote outputs are written front to back through ranged reads of the rank files."""
+    with CheckpointReader(source, manifest) as reader:
         for name, shard_tensors in zip(names, shards):
             layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
             with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
@@ -107,24 +142,11 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
                     for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel):
                         data = _cast(chunk, tensor.source.dtype, tensor.dtype)
                         writer.write(data)
-                        bar.update(len(data))
-            written.append(folder.url_of(name))
-    if not single_file:
-        _finish_folder(folder, names, shards, total)
-    return written
+                        progress(len(data))
 
 
 def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
-    if src == dst:
-        return chunk
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():  # a read-only view of the page cache: only read, never written
-        warnings.simplefilter("ignore", UserWarning)
-        values = torch.frombuffer(chunk, dtype=torch_dtype(src)).to(torch_dtype(dst))
-    return memoryview(values.view(torch.uint8).numpy())
+    return chunk if src == dst else cast_bytes(chunk, src, dst)
 
 
 def _finish_folder(folder: Location, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:

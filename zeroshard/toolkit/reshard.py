@@ -1,9 +1,11 @@
 """`zeroshard reshard`: an N-rank checkpoint into an M-rank one, optimizer state included.
 
 Pure range arithmetic: each output fragment is assembled from the input fragments that overlap
-it (zeroshard.partition.pieces), streamed through one copy buffer, hash-checked on the way in
-and hashed on the way out. Per-rank ('local') items such as RNG states have no meaning at a
-new world size and are dropped (listed in the result).
+it. Local outputs are written rank-major (zeroshard.toolkit.transfer): each input file read
+once, front to back, every piece dropped at its place in memory-mapped outputs, optionally by
+several worker processes. S3 outputs are streamed file by file. Fragments are hash-checked on
+the way in and hashed on the way out. Per-rank ('local') items such as RNG states have no
+meaning at a new world size and are dropped (listed in the result).
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ from dataclasses import dataclass
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import (
     CheckpointReader,
+    FileEntry,
+    RankFileResult,
     TensorSpec,
     build_manifest,
     commit_checkpoint,
     open_checkpoint,
     prepare_output_folder,
     rank_contents,
+    rank_file_name,
     update_latest,
     write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.writer import rank_metadata
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-
+from zeroshard.toolkit.transfer import Job, OutTensor, create_outputs, plan_output, run_transfer, split_tasks
 
 
 @dataclass
@@ -41,36 +47,30 @@ def default_output(ckpt_url: str, world_size: int) -> str:
 
 
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
-            storage_options: dict | None = None, quiet: bool = True) -> ReshardResult:
+            storage_options: dict | None = None, quiet: bool = True, workers: int = 1) -> ReshardResult:
     """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out`."""
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
+    if workers < 1:
+        raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     given = Location(ckpt, storage_options)
     source, manifest = open_checkpoint(given)
     # Given a root (followed through `latest`), write a root too: OUT/<same name> plus OUT/latest,
     # so training resumes from OUT exactly as it would have from the original root.
     as_root = source.url != given.url
     keep_local = world_size == manifest.world_size
-    entries = {name: t for name, t in manifest.tensors.items() if keep_local or t.layout != "local"}
-    dropped = [name for name in manifest.tensors if name not in entries]
-    specs = [TensorSpec.of(t) for t in entries.values()]
+    specs = [t for t in manifest.tensors.values() if keep_local or t.layout != "local"]
+    dropped = [name for name, t in manifest.tensors.items() if not (keep_local or t.layout != "local")]
     out_root = Location(out or default_output(given.url, world_size), storage_options)
     target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
     if target.url.rstrip("/") == source.url.rstrip("/") or out_root.url.rstrip("/") == given.url.rstrip("/"):
         raise ZeroshardError(f"{target.url}: output must differ from the input checkpoint")
     previous = prepare_output_folder(target, overwrite)
     checkpoint_id = uuid.uuid4().hex
-    total = sum(t.nbytes for t in entries.values())
-    with CheckpointReader(source, manifest) as reader, byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
-
-        def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-            for chunk in reader.iter_range(entries[spec.name], start, end):
-                write(chunk)
-                bar.update(len(chunk))
-
-        results = [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
-                                       durable=False, write_behind=True)
-                   for rank in range(world_size)]
+    total = sum(t.nbytes for t in specs)
+    with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
+        write = _write_rank_major if target.local else _write_streaming
+        results = write(source, manifest, target, specs, world_size, checkpoint_id, bar.update, workers)
     extra = dict(manifest.extra)
     extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}
     new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
@@ -80,3 +80,40 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     if as_root:
         update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
     return ReshardResult(new, target, dropped)
+
+
+def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
+                      checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
+    plans = [plan_output(rank_file_name(rank, world_size),
+                         [OutTensor(t.name, t, start, end, t.dtype, (end - start,))
+                          for t, start, end in rank_contents(specs, world_size, rank)],
+                         rank_metadata(checkpoint_id, rank, world_size), hash_table=True)
+             for rank in range(world_size)]
+    outputs = create_outputs(target, plans)
+    try:
+        job = Job(source.url, source.storage_options, manifest, target.url, plans, [o.temp_path for o in outputs])
+        finished = run_transfer(job, split_tasks(plans, manifest.world_size, workers), workers, progress)
+        for output in outputs:
+            output.commit()
+    except BaseException:
+        for output in outputs:
+            output.discard()
+        raise
+    return [RankFileResult(FileEntry(plan.name, rank, finished[rank].size, finished[rank].file_hash),
+                           {t.name: h for t, h in zip(plan.tensors, finished[rank].fragment_hashes)})
+            for rank, plan in enumerate(plans)]
+
+
+def _write_streaming(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
+                     checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
+    """Remote outputs are written front to back, one file at a time, read through ranged reads."""
+    with CheckpointReader(source, manifest) as reader:
+
+        def fill(spec: TensorSpec, start: int, end: int, write) -> None:
+            for chunk in reader.iter_range(spec, start, end):
+                write(chunk)
+                progress(len(chunk))
+
+        return [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
+                                durable=False, write_behind=True)
+                for rank in range(world_size)]

@@ -1,0 +1,122 @@
+"""A local output file of known size, filled at any offset through a shared memory map.
+
+Rank-major copying (zeroshard.toolkit.transfer) reads each input file once, front to back, and
+drops every fragment at its computed offset in the outputs. A memory map makes each such
+placement a memcpy, with no system call per fragment, which is what keeps a 1,000-rank reshard of
+tiny tensors from becoming a syscall storm. The file is allocated in full first
+(posix_fallocate), so a full disk is an error at open, not a SIGBUS half-way through a copy.
+
+Like AtomicWriter, the file lives under a temp name in the target folder and appears under its
+own name only on commit(); several processes may attach to the same temp file and fill disjoint
+ranges (parallel workers). Pages are dropped from this process's mapping as they fill (the page
+cache keeps them, dirty, until written back), so resident memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import uuid
+
+from zeroshard.errors import StorageError
+from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
+
+RELEASE_EVERY_BYTES = 64 * 1024 * 1024
+
+
+class MappedOutput:
+    """`out = MappedOutput.create(loc, name, size)`; `out.view[a:b] = data`; `out.commit()`."""
+
+    def __init__(self, location: Location, name: str, temp_path: str, size: int):
+        if not location.local:
+            raise ValueError("MappedOutput is for local folders")
+        self.location, self.name, self.temp_path, self.size = location, name, temp_path, size
+        self.where = location.url_of(name)
+        self._map: mmap.mmap | None = None
+        self.view = memoryview(b"")
+        self._dirty = 0
+
+    @classmethod
+    def create(cls, location: Location, name: str, size: int) -> "MappedOutput":
+        """A new temp file of `size` bytes, allocated on disk, beside `name` in `location`."""
+        location.makedirs()
+        temp = location._full(f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}")
+        out = cls(location, name, temp, size)
+        with storage_errors(out.where):
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                if size:
+                    _allocate(fd, size)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+        out._map_fd(fd)
+        return out
+
+    @classmethod
+    def attach(cls, location: Location, name: str, temp_path: str, size: int) -> "MappedOutput":
+        """Map a temp file another process created (a worker filling its share)."""
+        out = cls(location, name, temp_path, size)
+        with storage_errors(out.where):
+            fd = os.open(temp_path, os.O_RDWR)
+        out._map_fd(fd)
+        return out
+
+    def _map_fd(self, fd: int) -> None:
+        try:
+            with storage_errors(self.where):
+                if self.size:
+                    self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE)
+                    self.view = memoryview(self._map)
+        finally:
+            os.close(fd)  # the map keeps the file; no descriptor held per output
+
+    def wrote(self, nbytes: int) -> None:
+        """Account for bytes just written; past a threshold, drop this process's mapped pages."""
+        self._dirty += nbytes
+        if self._dirty >= RELEASE_EVERY_BYTES:
+            self.release()
+
+    def release(self) -> None:
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)  # shared file pages stay in the page cache, dirty
+        self._dirty = 0
+
+    def close(self) -> None:
+        """Unmap (the data stays in the file); the temp file stays for commit() or discard()."""
+        self.view.release()
+        self.view = memoryview(b"")
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+    def commit(self) -> None:
+        """Move the temp file to its name (durability: Location.fsync before anything vouches for it)."""
+        self.close()
+        with storage_errors(self.where):
+            os.replace(self.temp_path, self.location._full(self.name))
+
+    def discard(self) -> None:
+        self.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.temp_path)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve `size` bytes on disk, so writing through the map cannot fail for lack of space."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a filesystem without fallocate: best effort
+
+
+def check_writable_view(out: MappedOutput, begin: int, length: int) -> None:
+    if begin < 0 or begin + length > out.size:
+        raise StorageError(out.where, f"writer bug: bytes [{begin}, {begin + length}) outside a {out.size}-byte file")
