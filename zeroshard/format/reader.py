@@ -125,12 +125,17 @@ class CheckpointReader:
 
     def fragment_hash(self, name: str, rank: int) -> str:
         """The recorded hash of `name`'s fragment in `rank`'s file."""
-        if self.manifest.legacy_hashes is not None:
-            return self.manifest.legacy_hashes[(name, rank)]
+        return self.fragment_hashes(rank)[name]
+
+    def fragment_hashes(self, rank: int) -> dict[str, str]:
+        """Every recorded fragment hash of `rank`'s file, by tensor name."""
         opened = self.open_file(rank)
         if opened.hashes is None:
-            opened.hashes = read_hash_table(opened.reader, opened.header)
-        return opened.hashes[name]
+            if self.manifest.legacy_hashes is not None:
+                opened.hashes = {name: self.manifest.legacy_hashes[(name, rank)] for name in opened.header.entries}
+            else:
+                opened.hashes = read_hash_table(opened.reader, opened.header)
+        return opened.hashes
 
     def where(self, rank: int) -> str:
         return self.location.url_of(self.manifest.file_for_rank(rank).name)

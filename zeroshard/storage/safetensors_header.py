@@ -9,11 +9,12 @@ a corrupt header is a one-line error, not a crash later.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from zeroshard.errors import CheckpointError
 from zeroshard.storage.location import RangeReader
@@ -56,8 +57,7 @@ def torch_dtype(name: str) -> "torch.dtype":
         raise ValueError(f"unknown safetensors dtype {name!r}") from None
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):  # a tuple: headers of 1,000 rank files hold 300,000 of these
     dtype: str
     shape: tuple[int, ...]
     begin: int  # byte offset from the start of the file (not of the data section)
@@ -76,26 +76,43 @@ class Header:
     file_size: int  # what the header implies: data_start + end of the last tensor
 
 
+@functools.lru_cache(maxsize=65536)
+def _json_name(name: str) -> str:
+    return json.dumps(name)  # the same names recur in every rank file of a checkpoint
+
+
 def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
     """The header bytes for tensors laid out back to back in the given order.
 
     Returns the bytes (length prefix included) and each tensor's absolute byte range.
     """
-    table: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    header, relative = build_header_bytes(tensors, metadata)
+    data_start = len(header)
+    entries = {n: HeaderEntry(d, s, data_start + b, data_start + e) for n, (d, s, b, e) in relative.items()}
+    return header, entries
+
+
+def build_header_bytes(tensors: list[tuple[str, str, tuple[int, ...]]],
+                       metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """The header bytes, and each tensor's (dtype, shape, begin, end) relative to the data section.
+
+    The JSON is composed directly (what json.dumps would write, compactly): a 1,000-rank reshard
+    writes 300,000 entries.
+    """
+    parts = ['"__metadata__":' + json.dumps(metadata, separators=(",", ":"))] if metadata else []
     offset = 0
     relative: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     for name, dtype, shape in tensors:
         if name in relative or name == "__metadata__":
             raise ValueError(f"duplicate or reserved tensor name {name!r}")
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        dims = ",".join(map(str, shape))
+        parts.append(f'{_json_name(name)}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{offset},{offset + nbytes}]}}')
         relative[name] = (dtype, tuple(shape), offset, offset + nbytes)
         offset += nbytes
-    text = json.dumps(table, separators=(",", ":")).encode()
+    text = ("{" + ",".join(parts) + "}").encode()
     text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-    data_start = 8 + len(text)
-    entries = {n: HeaderEntry(d, s, data_start + b, data_start + e) for n, (d, s, b, e) in relative.items()}
-    return struct.pack("<Q", len(text)) + text, entries
+    return struct.pack("<Q", len(text)) + text, relative
 
 
 def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header:
@@ -111,18 +128,23 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(where, "safetensors __metadata__ must map strings to strings")
     entries: dict[str, HeaderEntry] = {}
+    sizes = DTYPE_SIZES
     for name, info in table.items():
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = dtype in DTYPE_SIZES and all(isinstance(d, int) and d >= 0 for d in shape)
-            ok = ok and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = 1
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise ValueError
+                numel *= d
+            ok = dtype in sizes and type(begin) is int and type(end) is int and 0 <= begin <= end
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise CheckpointError(where, f"safetensors header entry {name!r} is malformed")
-        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise CheckpointError(where, f"tensor {name!r}: byte range does not match its dtype and shape")
-        entries[name] = HeaderEntry(dtype, shape, data_start + begin, data_start + end)
+            raise CheckpointError(where, f"safetensors header entry {str(name)[:80]!r} is malformed")
+        if end - begin != numel * sizes[dtype]:
+            raise CheckpointError(where, f"tensor {str(name)[:80]!r}: byte range does not match its dtype and shape")
+        entries[name] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
     # Tensors must tile the data section: no overlaps, no gaps (what safetensors itself checks).
     cursor = data_start
     for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):

@@ -20,7 +20,8 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, OutTensor, cast_bytes, create_outputs, plan_output, run_transfer, split_tasks
+from zeroshard.storage.mapped_file import MappedOutput
+from zeroshard.toolkit.transfer import FixedPlans, Job, cast_bytes, plan_output, run_transfer, split_output
 from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
@@ -113,14 +114,21 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
 
 def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
                       shards: list[list[OutputTensor]], progress, workers: int) -> None:
-    """Local outputs: every input file read once, each fragment placed at its offset (transfer.py)."""
-    plans = [plan_output(name, [OutTensor(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
+    """Local outputs: every input file read once, each fragment placed at its offset (transfer.py).
+    A single big output file is split by tensors across tasks, so workers share it."""
+    plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False)
              for name, shard in zip(names, shards)]
-    outputs = create_outputs(folder, plans)
+    outputs: list[MappedOutput] = []
     try:
-        job = Job(source.url, source.storage_options, manifest, folder.url, plans, [o.temp_path for o in outputs])
-        run_transfer(job, split_tasks(plans, manifest.world_size, workers), workers, progress)
+        for plan in plans:
+            outputs.append(MappedOutput.create(folder, plan.name, plan.size))
+            outputs[-1].view[:len(plan.header)] = plan.header
+            outputs[-1].close()
+        job = Job(source.url, source.storage_options, manifest, folder.url, FixedPlans(plans),
+                  {i: o.temp_path for i, o in enumerate(outputs)})
+        tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size, workers)]
+        run_transfer(job, tasks, workers, progress, sum(t.nbytes for plan in plans for t in plan.tensors))
         folder.fsync([o.temp_path.rsplit("/", 1)[-1] for o in outputs])  # durable before it appears
         for output in outputs:
             output.commit()

@@ -24,15 +24,13 @@ from zeroshard.format import (
     open_checkpoint,
     prepare_output_folder,
     rank_contents,
-    rank_file_name,
     update_latest,
     write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
-from zeroshard.format.writer import rank_metadata
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, OutTensor, create_outputs, plan_output, run_transfer, split_tasks
+from zeroshard.toolkit.transfer import Job, RankFilePlans, commit, discard, run_transfer, split_tasks
 
 
 @dataclass
@@ -84,24 +82,17 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
 
 def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
                       checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
-    plans = [plan_output(rank_file_name(rank, world_size),
-                         [OutTensor(t.name, t, start, end, t.dtype, (end - start,))
-                          for t, start, end in rank_contents(specs, world_size, rank)],
-                         rank_metadata(checkpoint_id, rank, world_size), hash_table=True)
-             for rank in range(world_size)]
-    outputs = create_outputs(target, plans)
+    planner = RankFilePlans(specs, world_size, checkpoint_id)
+    job = Job(source.url, source.storage_options, manifest, target.url, planner)
+    total = sum(t.nbytes for t in specs)
+    finished = run_transfer(job, split_tasks(planner, manifest.world_size, workers), workers, progress, total)
     try:
-        job = Job(source.url, source.storage_options, manifest, target.url, plans, [o.temp_path for o in outputs])
-        finished = run_transfer(job, split_tasks(plans, manifest.world_size, workers), workers, progress)
-        for output in outputs:
-            output.commit()
+        commit(target, finished.values())
     except BaseException:
-        for output in outputs:
-            output.discard()
+        discard(finished.values())
         raise
-    return [RankFileResult(FileEntry(plan.name, rank, finished[rank].size, finished[rank].file_hash),
-                           {t.name: h for t, h in zip(plan.tensors, finished[rank].fragment_hashes)})
-            for rank, plan in enumerate(plans)]
+    return [RankFileResult(FileEntry(f.name, rank, f.size, f.file_hash), f.fragment_hashes)
+            for rank, f in sorted(finished.items())]
 
 
 def _write_streaming(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,

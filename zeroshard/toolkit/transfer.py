@@ -15,27 +15,29 @@ Outputs on S3 cannot be written out of order; those are streamed per file instea
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import CheckpointReader, fragments_of
 from zeroshard.format.writer import hash_table_bytes
-from zeroshard.storage.hashing import SegmentHasher, new_hasher
-from zeroshard.storage.location import Location
+from zeroshard.storage.hashing import hash_bytes, new_hasher
+from zeroshard.storage.location import Location, storage_errors
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header
+from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 
 
-@dataclass(frozen=True)
-class OutTensor:
+class OutTensor(NamedTuple):
     """Elements [start, end) of global tensor `source`, stored in an output file under `name` with
-    `shape` and `dtype`, from byte `begin` (filled in by plan_output)."""
+    `shape` and `dtype`, from byte `begin` (filled in by plan_output). A tuple: a reshard to
+    1,000 ranks plans 300,000 of them."""
 
     name: str
     source: TensorEntry
@@ -61,89 +63,159 @@ class OutputPlan:
     hash_table: bool  # a 1.1 rank file: ends with the fragment-hash table, file hash recorded
 
 
-def plan_output(name: str, tensors: Sequence[OutTensor], metadata: dict[str, str], hash_table: bool) -> OutputPlan:
-    """Lay the tensors out back to back (plus the fragment-hash table for a rank file)."""
-    layout = [(t.name, t.dtype, t.shape) for t in tensors]
+def plan_output(name: str, tensors: Sequence[tuple[str, TensorEntry, int, int, str, tuple[int, ...]]],
+                metadata: dict[str, str], hash_table: bool) -> OutputPlan:
+    """Lay (name, source, start, end, dtype, shape) tensors out back to back, plus the
+    fragment-hash table for a rank file."""
+    layout = [(t[0], t[4], t[5]) for t in tensors]
     if hash_table:
         layout.append((HASH_TABLE_NAME, "U64", (len(tensors),)))
-    header, entries = build_header(layout, metadata)
-    placed = [replace(t, begin=entries[t.name].begin) for t in tensors]
-    size = max((e.end for e in entries.values()), default=len(header))
+    header, relative = build_header_bytes(layout, metadata)
+    start = len(header)
+    placed = [OutTensor(*t, start + relative[t[0]][2]) for t in tensors]
+    size = start + max((r[3] for r in relative.values()), default=0)
     return OutputPlan(name, header, placed, size, hash_table)
+
+
+class FixedPlans:
+    """Outputs planned up front (consolidate: one model file, or a few HF shards)."""
+
+    def __init__(self, plans: list[OutputPlan]):
+        self.plans = plans
+        self.count = len(plans)
+
+    def plan(self, index: int) -> OutputPlan:
+        return self.plans[index]
+
+
+class RankFilePlans:
+    """The rank files of a checkpoint at `world_size`, each planned where it is written: a worker
+    plans (and creates) only its own outputs, so planning 1,000 headers is spread too."""
+
+    def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
+        self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
+        self.count = world_size
+
+    def plan(self, rank: int) -> OutputPlan:
+        from zeroshard.format.manifest import rank_contents, rank_file_name
+        from zeroshard.format.writer import rank_metadata
+
+        return plan_output(rank_file_name(rank, self.world_size),
+                           [(t.name, t, start, end, t.dtype, (end - start,))
+                            for t, start, end in rank_contents(self.tensors, self.world_size, rank)],
+                           rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
+
+    def pieces(self, index: int, source_world: int) -> int:
+        return len(self.tensors) * (-(-source_world // self.world_size) + 1)
+
+
+def _piece_count(t: OutTensor, source_world: int) -> int:
+    return min(t.end - t.start, source_world) if t.source.layout == "flat" else 1
 
 
 @dataclass
 class Task:
-    """Fill `tensors` (indices into each output's tensors; None: all) of some outputs; optionally
-    finish them (hash table and hashes)."""
+    """Fill some outputs (all their tensors, or for one big pre-created output the `tensors`
+    indices given) and, for whole outputs, finish them (hash table and hashes)."""
 
     outputs: list[int]
-    tensors: dict[int, list[int]] | None = None
-    finish: bool = True
+    tensors: dict[int, list[int]] | None = None  # set: the outputs exist already (created by the caller)
 
 
 @dataclass
 class Finished:
+    """An output written completely under `temp_path`, ready to be moved to `name`."""
+
+    name: str
+    temp_path: str
     size: int
-    file_hash: str
-    fragment_hashes: list[str] = field(default_factory=list)
+    file_hash: str = ""
+    fragment_hashes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Job:
-    """Everything a worker needs, picklable: where to read, what to write, where the temp files are."""
+    """Everything a worker needs, picklable: where to read, what to write."""
 
     source_url: str
     storage_options: dict
     manifest: Manifest
     target_url: str
-    plans: list[OutputPlan]
-    temp_paths: list[str]
+    planner: FixedPlans | RankFilePlans
+    temp_paths: dict[int, str] = field(default_factory=dict)  # outputs created up front (split tasks)
     verify_hashes: bool = True
 
 
-def run_transfer(job: Job, tasks: list[Task], workers: int = 1,
-                 progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
-    """Run `tasks` (in this process, or spread over `workers` processes); results of finished outputs."""
+def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
+                 total_bytes: int = 0) -> dict[int, Finished]:
+    """Run `tasks` (here, or spread over `workers` spawned processes). Returns the outputs written
+    whole by a task; on failure, removes every temp file the tasks made and raises. Progress:
+    bytes as they are read here; with workers, an equal share of `total_bytes` per task done."""
     results: dict[int, Finished] = {}
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            results.update(run_task(job, task, progress))
+    try:
+        if workers <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                results.update(run_task(job, task, progress))
+            return results
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+            futures = [pool.submit(run_task, job, task) for task in tasks]
+            try:
+                for done, future in enumerate(futures):
+                    results.update(future.result())
+                    if progress is not None:
+                        progress(total_bytes * (done + 1) // len(tasks) - total_bytes * done // len(tasks))
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                for future in futures:
+                    if future.done() and not future.cancelled() and future.exception() is None:
+                        results.update(future.result())
+                raise
         return results
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
-        futures = [(pool.submit(run_task, job, task), task) for task in tasks]
-        for future, task in futures:
-            results.update(future.result())
-            if progress is not None:
-                progress(_task_bytes(job, task))
-    return results
+    except BaseException:
+        discard(results.values())
+        raise
 
 
-def _task_bytes(job: Job, task: Task) -> int:
-    total = 0
-    for index in task.outputs:
-        tensors = job.plans[index].tensors
-        chosen = range(len(tensors)) if task.tensors is None else task.tensors[index]
-        total += sum(tensors[i].nbytes for i in chosen)
-    return total
+def discard(finished: Iterable[Finished]) -> None:
+    for f in finished:
+        with contextlib.suppress(OSError):
+            os.unlink(f.temp_path)
+
+
+def commit(target: Location, finished: Iterable[Finished]) -> None:
+    """Move finished outputs to their names (fsync first where durability is needed: Location.fsync)."""
+    for f in finished:
+        with storage_errors(target.url_of(f.name)):
+            os.replace(f.temp_path, target._full(f.name))
 
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
     """Fill this task's share of the outputs, reading each needed input file once, in rank order."""
     source = Location(job.source_url, job.storage_options)
     target = Location(job.target_url, job.storage_options)
-    outputs = {i: MappedOutput.attach(target, job.plans[i].name, job.temp_paths[i], job.plans[i].size)
-               for i in task.outputs}
+    plans = {i: job.planner.plan(i) for i in task.outputs}
+    outputs: dict[int, MappedOutput] = {}
     try:
-        needed = _pieces_by_input(job, task)
+        for i, plan in plans.items():
+            if task.tensors is None:
+                outputs[i] = MappedOutput.create(target, plan.name, plan.size)
+                outputs[i].view[:len(plan.header)] = plan.header
+            else:
+                outputs[i] = MappedOutput.attach(target, plan.name, job.temp_paths[i], plan.size)
+        needed = _pieces_by_input(job.manifest.world_size, plans, task)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
             for rank in sorted(needed):
                 _copy_from_input(reader, rank, needed[rank], outputs, progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
-        if not task.finish:
+        if task.tensors is not None:
             return {}
-        return {i: _finish(job.plans[i], outputs[i]) for i in task.outputs}
+        return {i: _finish(plans[i], outputs[i]) for i in task.outputs}
+    except BaseException:
+        if task.tensors is None:
+            for out in outputs.values():
+                out.discard()
+        raise
     finally:
         for out in outputs.values():
             out.close()
@@ -153,19 +225,37 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 Piece = tuple[int, int, int, int, str]
 
 
-def _pieces_by_input(job: Job, task: Task) -> dict[int, dict[str, list[Piece]]]:
-    world = job.manifest.world_size
+def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task) -> dict[int, dict[str, list[Piece]]]:
     needed: dict[int, dict[str, list[Piece]]] = {}
     for index in task.outputs:
-        tensors = job.plans[index].tensors
+        tensors = plans[index].tensors
         chosen = range(len(tensors)) if task.tensors is None else task.tensors[index]
         for i in chosen:
-            ot = tensors[i]
-            out_size = DTYPE_SIZES[ot.dtype]
-            for rank, frag_start, frag_end in fragments_of(ot.source, world, ot.start, ot.end):
-                lo, hi = max(ot.start, frag_start), min(ot.end, frag_end)
-                needed.setdefault(rank, {}).setdefault(ot.source.name, []).append(
-                    (lo - frag_start, index, ot.begin + (lo - ot.start) * out_size, hi - lo, ot.dtype))
+            _, source, start, end, dtype, _, begin = tensors[i]
+            name = source.name
+            out_size = DTYPE_SIZES[dtype]
+            if source.layout == "flat":  # zeroshard.partition.holders, inlined: the hot loop of a big reshard
+                numel = source.numel
+                chunk = -(-numel // world)
+                rank = start // chunk if end > start else world
+                frag_start = rank * chunk
+                while frag_start < end:
+                    frag_end = frag_start + chunk if frag_start + chunk < numel else numel
+                    lo = start if start > frag_start else frag_start
+                    hi = end if end < frag_end else frag_end
+                    by_tensor = needed.setdefault(rank, {})
+                    piece = (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype)
+                    if name in by_tensor:
+                        by_tensor[name].append(piece)
+                    else:
+                        by_tensor[name] = [piece]
+                    rank += 1
+                    frag_start = frag_end
+                continue
+            for rank, frag_start, frag_end in fragments_of(source, world, start, end):
+                lo, hi = max(start, frag_start), min(end, frag_end)
+                needed.setdefault(rank, {}).setdefault(name, []).append(
+                    (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype))
     return needed
 
 
@@ -175,15 +265,19 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
     opened = reader.open_file(rank)
     entries = opened.header.entries
     tensors = reader.manifest.tensors
+    verify = reader.verify_hashes
+    recorded = reader.fragment_hashes(rank) if verify else {}
     window_buffer: memoryview | None = None
-    done = 0
+    done = released = 0
     for name in sorted(fragments, key=lambda n: entries[n].begin):
         entry, tensor = entries[name], tensors[name]
         size = tensor.itemsize
-        pieces = sorted(fragments[name])
-        hasher = new_hasher() if reader.verify_hashes else None
+        pieces = fragments[name]
+        if len(pieces) > 1:
+            pieces.sort()
         length = entry.end - entry.begin
         window = max(size, WINDOW_BYTES // size * size)
+        hasher = new_hasher() if verify and length > window else None
         for w0 in range(0, length, window):
             wlen = min(window, length - w0)
             view = opened.reader.view(entry.begin + w0, wlen)
@@ -194,26 +288,33 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
                 opened.reader.read_into(entry.begin + w0, view)
             if hasher is not None:
                 hasher.update(view)
+            elif verify and hash_bytes(view) != recorded[name]:
+                raise _mismatch(reader, rank, name)
             first, last = w0 // size, (w0 + wlen) // size
             for src, index, dst, count, dtype in pieces:
                 lo, hi = max(src, first), min(src + count, last)
                 if lo >= hi:
                     continue
                 data = view[(lo - first) * size:(hi - first) * size]
-                out = outputs[index]
                 if dtype != tensor.dtype:
                     data = cast_bytes(data, tensor.dtype, dtype)
-                out_size = DTYPE_SIZES[dtype]
-                at = dst + (lo - src) * out_size
+                at = dst + (lo - src) * DTYPE_SIZES[dtype]
+                out = outputs[index]
                 out.view[at:at + len(data)] = data
                 out.wrote(len(data))
             del view
-            opened.reader.release(entry.begin + w0, wlen)
             done += wlen
-        if hasher is not None and hasher.hexdigest() != reader.fragment_hash(name, rank):
-            raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+            if done - released >= WINDOW_BYTES:  # drop what was read from this process's map, in bulk
+                opened.reader.release(entry.begin + w0 + wlen - (done - released), done - released)
+                released = done
+        if hasher is not None and hasher.hexdigest() != recorded[name]:
+            raise _mismatch(reader, rank, name)
     if progress is not None:
         progress(done)
+
+
+def _mismatch(reader: CheckpointReader, rank: int, name: str) -> CheckpointError:
+    return CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
 
 
 def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
@@ -231,58 +332,40 @@ def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
 
 
 def _finish(plan: OutputPlan, out: MappedOutput) -> Finished:
-    """For rank files: the fragment-hash table, and every hash, in one pass over the file."""
+    """For rank files: the fragment-hash table, and every hash, from one read of the file."""
     if not plan.hash_table:
-        return Finished(plan.size, "")
+        return Finished(plan.name, out.temp_path, plan.size)
+    hashes = [_hash_region(out, t.begin, t.begin + t.nbytes) for t in plan.tensors]
     table_begin = plan.size - 8 * len(plan.tensors)
-    hasher = SegmentHasher([(t.begin, t.begin + t.nbytes, str(i)) for i, t in enumerate(plan.tensors)])
-    for offset in range(0, table_begin, WINDOW_BYTES):
-        hasher.update(out.view[offset:min(offset + WINDOW_BYTES, table_begin)])
+    out.view[table_begin:plan.size] = hash_table_bytes(hashes)
+    return Finished(plan.name, out.temp_path, plan.size, _hash_region(out, 0, plan.size),
+                    {t.name: h for t, h in zip(plan.tensors, hashes)})
+
+
+def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
+    if end - begin <= WINDOW_BYTES:
+        return hash_bytes(out.view[begin:end])
+    hasher = new_hasher()
+    for offset in range(begin, end, WINDOW_BYTES):  # big regions: bounded residency
+        hasher.update(out.view[offset:min(offset + WINDOW_BYTES, end)])
         out.release()
-    hashes = [hasher.segment_hashes[str(i)] for i in range(len(plan.tensors))]
-    table = hash_table_bytes(hashes)
-    out.view[table_begin:plan.size] = table
-    hasher.update(table)
-    return Finished(plan.size, hasher.hexdigest, hashes)
-
-
-def create_outputs(target: Location, plans: list[OutputPlan]) -> list[MappedOutput]:
-    """Allocate every output's temp file (header written at finish); on failure none is left."""
-    created: list[MappedOutput] = []
-    try:
-        for plan in plans:
-            created.append(MappedOutput.create(target, plan.name, plan.size))
-            created[-1].view[:len(plan.header)] = plan.header
-            created[-1].close()
-    except BaseException:
-        for out in created:
-            out.discard()
-        raise
-    return created
+    return hasher.hexdigest()
 
 
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
 
 
-def split_tasks(plans: list[OutputPlan], source_world: int, workers: int = 1) -> list[Task]:
-    """Tasks of whole outputs (consecutive, so each reads a narrow band of inputs), each planning at
-    most about PIECE_BUDGET pieces; with workers, at least a few tasks per worker. An output
-    without a hash table (a consolidated model) may be split by tensor ranges across tasks."""
-    def pieces(t: OutTensor) -> int:
-        return min(t.end - t.start, source_world) if t.source.layout == "flat" else 1
-
+def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
+    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
+    at most about PIECE_BUDGET pieces, with a few tasks per worker when there are workers."""
+    costs = [planner.pieces(i, source_world) for i in range(planner.count)]
     budget = PIECE_BUDGET
     if workers > 1:
-        total = sum(pieces(t) for plan in plans for t in plan.tensors)
-        budget = max(1, min(PIECE_BUDGET, -(-total // (workers * 4))))
+        budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
     tasks: list[Task] = []
     group: list[int] = []
     used = 0
-    for index, plan in enumerate(plans):
-        cost = sum(pieces(t) for t in plan.tensors)
-        if cost > budget and not plan.hash_table:
-            tasks += _split_output(index, plan, pieces, budget, workers)
-            continue
+    for index, cost in enumerate(costs):
         if group and used + cost > budget:
             tasks.append(Task(group))
             group, used = [], 0
@@ -293,19 +376,18 @@ def split_tasks(plans: list[OutputPlan], source_world: int, workers: int = 1) ->
     return tasks
 
 
-def _split_output(index: int, plan: OutputPlan, pieces: Callable[[OutTensor], int], budget: int,
-                  workers: int) -> list[Task]:
-    """One big output's tensors in consecutive groups of about `budget` pieces (and, with workers,
-    of about equal bytes)."""
+def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) -> list[Task]:
+    """One big output's tensors in consecutive groups of about PIECE_BUDGET pieces and, with
+    workers, of about equal bytes (the output must be created by the caller: Job.temp_paths)."""
     groups: list[list[int]] = [[]]
-    used = 0
+    used = group_bytes = 0
     byte_goal = sum(t.nbytes for t in plan.tensors) / (workers * 2) if workers > 1 else float("inf")
-    group_bytes = 0
     for i, t in enumerate(plan.tensors):
-        if groups[-1] and (used + pieces(t) > budget or group_bytes >= byte_goal):
+        cost = _piece_count(t, source_world)
+        if groups[-1] and (used + cost > PIECE_BUDGET or group_bytes >= byte_goal):
             groups.append([])
             used = group_bytes = 0
         groups[-1].append(i)
-        used += pieces(t)
+        used += cost
         group_bytes += t.nbytes
-    return [Task([index], {index: g}, finish=False) for g in groups]
+    return [Task([index], {index: g}) for g in groups]
