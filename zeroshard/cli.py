@@ -106,8 +106,10 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Write HF's sharded layout with files up to SIZE (e.g. 5GB, 500MB, 2GiB) into folder OUT.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes sharing the work on this machine (local outputs; see docs/SCALE.md).")
 @_common
-def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
+def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool, workers: int,
                 storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
@@ -117,13 +119,14 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     (or a single model.safetensors when everything fits in one shard, as HF does), loadable with
     transformers' from_pretrained once a config.json sits beside it.
 
-    Tensors stream from the rank files through one copy buffer, hash-checked as they are read;
-    tied weights recorded in the manifest are written under both names.
+    Each rank file is read once, front to back, hash-checked, and every fragment placed at its
+    offset (S3 outputs are streamed front to back instead); tied weights recorded in the
+    manifest are written under both names.
     """
     from zeroshard.toolkit.consolidate import consolidate as run
 
     files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                storage_options=storage_options, quiet=quiet)
+                storage_options=storage_options, quiet=quiet, workers=workers)
     click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else ""))
 
 
@@ -132,17 +135,22 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
 @click.option("--to", "world_size", type=int, required=True, help="The new number of ranks (any M >= 1).")
 @click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes sharing the work on this machine (local outputs; see docs/SCALE.md).")
 @_common
-def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int, storage_options: dict,
+            quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
     Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
     assembled from the old pieces that overlap it; fragments are hash-checked on the way in and
     hashed on the way out. Per-rank items (RNG states) are dropped when the world size changes.
+    Local outputs are written rank-major: each input file is read once, front to back.
     """
     from zeroshard.toolkit.reshard import reshard as run
 
-    result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet)
+    result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
+                 workers=workers)
     click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
     if result.dropped:
         click.echo(f"dropped {len(result.dropped)} per-rank item(s) that do not carry to a new world size "
@@ -164,8 +172,10 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 
 @main.command()
 @click.argument("ckpt")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes sharing the work on this machine (each file is read by one of them).")
 @_common
-def verify(ckpt: str, storage_options: dict, quiet: bool) -> None:
+def verify(ckpt: str, workers: int, storage_options: dict, quiet: bool) -> None:
     """Check checkpoint CKPT completely; exit 0 only if everything holds.
 
     Every rank file present with its recorded size; headers agree with the manifest; the
@@ -174,7 +184,7 @@ def verify(ckpt: str, storage_options: dict, quiet: bool) -> None:
     """
     from zeroshard.toolkit.verify import verify as run
 
-    report = run(ckpt, storage_options=storage_options, quiet=quiet)
+    report = run(ckpt, storage_options=storage_options, quiet=quiet, workers=workers)
     if report.ok:
         click.echo(f"OK {report.location}: {report.files_checked} files, {report.tensors} tensors, "
                    f"{report.bytes_checked:,} bytes verified")

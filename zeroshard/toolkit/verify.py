@@ -9,9 +9,11 @@ Each file is read once, front to back.
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-from zeroshard.errors import CheckpointError, StorageError
+from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import check_header, resolve_checkpoint
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import HASH_TABLE_NAME, MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name
@@ -36,7 +38,10 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True) -> VerifyReport:
+def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True, workers: int = 1) -> VerifyReport:
+    """Check everything; `workers` processes share the files (each file is read by one of them)."""
+    if workers < 1:
+        raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     location = resolve_checkpoint(Location(ckpt, storage_options))
     report = VerifyReport(location.url)
     try:
@@ -49,23 +54,45 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     for name in sorted(present - {f.name for f in manifest.files}):
         if is_rank_file_name(name):
             report.problems.append(f"{location.url_of(name)}: extra rank file not in {MANIFEST_NAME}")
-    total = sum(f.size for f in manifest.files if f.name in present)
-    with byte_bar(total, "verify", quiet) as bar:
-        for file in manifest.files:
-            where = location.url_of(file.name)
-            if file.name not in present:
-                report.problems.append(f"{where}: missing")
-                continue
-            try:
-                report.problems.extend(f"{where}: {p}" for p in _check_file(location, manifest, file, bar))
-                report.files_checked += 1
-                report.bytes_checked += file.size
-            except (CheckpointError, StorageError) as exc:
-                report.problems.append(str(exc))
+    files = [f for f in manifest.files if f.name in present]
+    report.problems.extend(f"{location.url_of(f.name)}: missing" for f in manifest.files if f.name not in present)
+    with byte_bar(sum(f.size for f in files), "verify", quiet) as bar:
+        if workers == 1 or len(files) < 2:
+            outcomes = [check_files(location.url, location.storage_options, manifest, [f], bar.update) for f in files]
+        else:
+            groups = [files[i::workers * 4] for i in range(min(len(files), workers * 4))]
+            context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                futures = [pool.submit(check_files, location.url, location.storage_options, manifest, g) for g in groups]
+                outcomes = []
+                for future, group in zip(futures, groups):
+                    outcomes.append(future.result())
+                    bar.update(sum(f.size for f in group))
+    for problems, checked, nbytes in outcomes:
+        report.problems.extend(problems)
+        report.files_checked += checked
+        report.bytes_checked += nbytes
     return report
 
 
-def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) -> list[str]:
+def check_files(url: str, storage_options: dict, manifest: Manifest, files: list[FileEntry],
+                progress=None) -> tuple[list[str], int, int]:
+    """(problems, files checked, bytes checked) for some of a checkpoint's files."""
+    location = Location(url, storage_options)
+    problems: list[str] = []
+    checked = nbytes = 0
+    for file in files:
+        where = location.url_of(file.name)
+        try:
+            problems.extend(f"{where}: {p}" for p in _check_file(location, manifest, file, progress))
+            checked += 1
+            nbytes += file.size
+        except (CheckpointError, StorageError) as exc:
+            problems.append(str(exc))
+    return problems, checked, nbytes
+
+
+def _check_file(location: Location, manifest: Manifest, file: FileEntry, progress) -> list[str]:
     size = location.size(file.name)
     if size != file.size:
         problem = "truncated" if size < file.size else "longer than recorded"
@@ -79,7 +106,7 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
             expected = read_hash_table(reader, header)
         else:
             expected = {name: manifest.legacy_hashes[(name, file.rank)] for name in header.entries}
-        file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), bar)
+        file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), progress)
     if file_hash != file.hash:
         problems.append("content hash mismatch (file corrupt or modified)")
     for name, digest in tensor_hashes.items():
@@ -88,7 +115,7 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, bar) ->
     return problems
 
 
-def _hash_file(reader, header: Header, size: int, chunk: int, bar) -> tuple[str, dict[str, str]]:
+def _hash_file(reader, header: Header, size: int, chunk: int, progress) -> tuple[str, dict[str, str]]:
     """Hash the whole file and each tensor's bytes in one sequential pass."""
     hasher = SegmentHasher([(e.begin, e.end, n) for n, e in header.entries.items()])
     buffer = None
@@ -102,5 +129,6 @@ def _hash_file(reader, header: Header, size: int, chunk: int, bar) -> tuple[str,
         hasher.update(view)
         del view
         reader.release(offset, length)
-        bar.update(length)
+        if progress is not None:
+            progress(length)
     return hasher.hexdigest, hasher.segment_hashes

@@ -1,0 +1,97 @@
+"""Many ranks and parallel workers: the rank-major paths give the same bytes with 1 or N
+processes, at hundreds of ranks, and a failure in any worker leaves nothing behind."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import read_checkpoint, training_state, write_checkpoint
+from test_bad_input import flip_byte_in
+from test_roundtrip import assert_same
+from zeroshard.errors import CheckpointError
+from zeroshard.toolkit.consolidate import consolidate
+from zeroshard.toolkit.reshard import reshard
+from zeroshard.toolkit.shard import shard
+from zeroshard.toolkit.verify import verify
+
+
+def leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.rglob(".zeroshard-tmp-*")]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """40 tensors of odd sizes (some smaller than the world) over 300 ranks."""
+    root = tmp_path_factory.mktemp("wide")
+    g = torch.Generator().manual_seed(3)
+    model = {f"t{i}": torch.randn(1 + 37 * i, generator=g) for i in range(40)}
+    model["half"] = torch.randn(513, generator=g).half()
+    save_file(model, str(root / "m.safetensors"))
+    shard(str(root / "m.safetensors"), str(root / "w300"), 300)
+    return root, model
+
+
+@pytest.mark.parametrize("to", [1, 7, 299, 512])
+def test_reshard_many_ranks_with_workers_is_exact(wide, tmp_path, to):
+    root, model = wide
+    reshard(str(root / "w300"), to, str(tmp_path / "one"))
+    reshard(str(root / "w300"), to, str(tmp_path / "two"), workers=2)
+    assert verify(str(tmp_path / "two"), workers=2).ok
+    one, two = read_checkpoint(str(tmp_path / "one")), read_checkpoint(str(tmp_path / "two"))
+    assert_same(one, two)
+    assert_same(model, {k: v for k, v in two.items()})
+    assert not leftovers(tmp_path)
+
+
+def test_consolidate_with_workers_is_bit_identical(wide, tmp_path):
+    root, model = wide
+    consolidate(str(root / "w300"), str(tmp_path / "a.safetensors"))
+    consolidate(str(root / "w300"), str(tmp_path / "b.safetensors"), workers=3)
+    consolidate(str(root / "w300"), str(tmp_path / "hf"), max_shard_size="2KB", workers=2)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert_same(model, load_file(tmp_path / "a.safetensors"))
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 3
+    merged = {k: v for f in shards for k, v in load_file(f).items()}
+    assert_same(model, merged)
+    assert not leftovers(tmp_path)
+
+
+def test_corrupt_input_fails_every_worker_cleanly(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 6)
+    victim = tmp_path / "c" / "rank-00004-of-00006.safetensors"
+    flip_byte_in(victim, "embed.weight")
+    for workers in (1, 2):
+        with pytest.raises(CheckpointError, match="rank-00004-of-00006.safetensors"):
+            reshard(str(tmp_path / "c"), 5, str(tmp_path / f"r{workers}"), workers=workers)
+        assert not (tmp_path / f"r{workers}" / "zeroshard.json").exists()
+        with pytest.raises(CheckpointError, match="rank-00004-of-00006.safetensors"):
+            consolidate(str(tmp_path / "c"), str(tmp_path / f"m{workers}.safetensors"), workers=workers)
+        assert not (tmp_path / f"m{workers}.safetensors").exists()
+        report = verify(str(tmp_path / "c"), workers=workers)
+        assert len(report.problems) >= 1 and "rank-00004-of-00006.safetensors" in report.problems[0]
+    assert not leftovers(tmp_path)
+
+
+def test_dtype_cast_on_the_rank_major_path(wide, tmp_path):
+    root, model = wide
+    consolidate(str(root / "w300"), str(tmp_path / "bf.safetensors"), dtype="bf16", workers=2)
+    out = load_file(tmp_path / "bf.safetensors")
+    assert_same({k: v.bfloat16() for k, v in model.items()}, out)
+
+
+def test_big_fragments_stream_through_windows(tmp_path, monkeypatch):
+    """Fragments larger than the read window are copied and hash-checked window by window."""
+    import zeroshard.toolkit.transfer as transfer
+
+    monkeypatch.setattr(transfer, "WINDOW_BYTES", 4096)
+    model = {"big": torch.randn(10_000), "small": torch.arange(5, dtype=torch.int64)}
+    save_file(model, str(tmp_path / "m.safetensors"))
+    shard(str(tmp_path / "m.safetensors"), str(tmp_path / "w2"), 2)
+    reshard(str(tmp_path / "w2"), 3, str(tmp_path / "w3"))
+    consolidate(str(tmp_path / "w3"), str(tmp_path / "o.safetensors"))
+    assert_same(model, load_file(tmp_path / "o.safetensors"))
+    assert verify(str(tmp_path / "w3")).ok
