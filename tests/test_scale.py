@@ -1,6 +1,7 @@
 """Many ranks and parallel workers: the rank-major paths give the same bytes with 1 or N
 processes, at hundreds of ranks, and a failure in any worker leaves nothing behind."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,41 @@ def test_big_fragments_stream_through_windows(tmp_path, monkeypatch):
     consolidate(str(tmp_path / "w3"), str(tmp_path / "o.safetensors"))
     assert_same(model, load_file(tmp_path / "o.safetensors"))
     assert verify(str(tmp_path / "w3")).ok
+
+
+def torchrun(*args, nproc=2):
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                           f"--master-port={free_port()}", "-m", "zeroshard.toolkit", *args],
+                          capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_distributed_reshard_and_consolidate_under_torchrun(wide, tmp_path):
+    root, model = wide
+    result = torchrun("reshard", str(root / "w300"), "--to", "64", "-o", str(tmp_path / "w64"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert verify(str(tmp_path / "w64")).ok
+    assert_same(model, read_checkpoint(str(tmp_path / "w64")))
+    result = torchrun("consolidate", str(tmp_path / "w64"), str(tmp_path / "m.safetensors"), "-j", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    consolidate(str(root / "w300"), str(tmp_path / "ref.safetensors"))
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    result = torchrun("consolidate", str(tmp_path / "w64"), str(tmp_path / "hf"), "--max-shard-size", "3KB")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same(model, {k: v for f in (tmp_path / "hf").glob("model-*.safetensors") for k, v in load_file(f).items()})
+    assert not leftovers(tmp_path)
+
+
+def test_distributed_failure_commits_nothing(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 4)
+    flip_byte_in(tmp_path / "c" / "rank-00003-of-00004.safetensors", "embed.weight")
+    result = torchrun("reshard", str(tmp_path / "c"), "--to", "3", "-o", str(tmp_path / "r"))
+    assert result.returncode != 0
+    assert "rank-00003-of-00004.safetensors" in result.stderr and "hash mismatch" in result.stderr
+    assert not (tmp_path / "r" / "zeroshard.json").exists() and not leftovers(tmp_path)

@@ -72,6 +72,21 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     if workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
+    folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size,
+                                                     overwrite=overwrite)
+    with byte_bar(total, "consolidate", quiet) as bar:
+        write = _write_rank_major if folder.local else _write_streaming
+        write(source, manifest, folder, names, shards, bar.update, workers)
+    if not single_file:
+        finish_folder(folder, names, shards, total)
+    return [folder.url_of(name) for name in names]
+
+
+def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, max_shard_size: str | None,
+         overwrite: bool) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
+    """What consolidate writes: (folder, file names, tensors per file, total bytes, single file?).
+    Refuses an existing output unless `overwrite`."""
+    storage_options = source.storage_options
     if dtype is not None and dtype not in CAST_DTYPES:
         raise ZeroshardError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
     cast = CAST_DTYPES.get(dtype) if dtype else None
@@ -102,14 +117,7 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
         count = len(shards)
         names = [HF_SINGLE_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
-
-    total = sum(t.nbytes for t in tensors)
-    with byte_bar(total, "consolidate", quiet) as bar:
-        write = _write_rank_major if folder.local else _write_streaming
-        write(source, manifest, folder, names, shards, bar.update, workers)
-    if not single_file:
-        _finish_folder(folder, names, shards, total)
-    return [folder.url_of(name) for name in names]
+    return folder, names, shards, sum(t.nbytes for t in tensors), single_file
 
 
 def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
@@ -157,7 +165,7 @@ def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     return chunk if src == dst else cast_bytes(chunk, src, dst)
 
 
-def _finish_folder(folder: Location, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
+def finish_folder(folder: Location, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
     """Write HF's index (last: it vouches for the files) and remove files of an older export."""
     if len(names) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
