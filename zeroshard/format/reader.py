@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry, rank_contents
+from zeroshard.format.manifest import FORMAT_NAME, HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry, rank_contents
 from zeroshard.format.writer import parse_hash_table
 from zeroshard.partition import holders
 from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location, RangeReader
-from zeroshard.storage.safetensors_header import Header, read_header
+from zeroshard.storage.safetensors_header import Header, HeaderEntry, build_header_bytes, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +80,34 @@ def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[st
     return problems
 
 
+def expected_header(file: FileEntry, manifest: Manifest) -> tuple[bytes, Header]:
+    """The exact header bytes a zeroshard writer puts in this rank file, and what they say."""
+    contents = rank_contents(manifest.tensors.values(), manifest.world_size, file.rank)
+    metadata = {"format": FORMAT_NAME, "format_version": manifest.version, "checkpoint_id": manifest.id,
+                "rank": str(file.rank), "world_size": str(manifest.world_size)}
+    layout = [(t.name, t.dtype, (end - start,)) for t, start, end in contents]
+    if manifest.legacy_hashes is None:
+        layout.append((HASH_TABLE_NAME, "U64", (len(contents),)))
+    raw, relative = build_header_bytes(layout, metadata)
+    start = len(raw)
+    entries = {n: HeaderEntry(d, s, start + b, start + e) for n, (d, s, b, e) in relative.items()}
+    return raw, Header(entries, metadata, start, start + max((e for *_, e in relative.values()), default=0))
+
+
+def read_rank_header(reader: RangeReader, file: FileEntry, manifest: Manifest, size: int) -> tuple[Header, list[str]]:
+    """A rank file's header and its disagreements with the manifest.
+
+    Fast path: a header byte-identical to the one the manifest implies is right by construction
+    (one comparison instead of parsing thousands of entries: a 1,000-rank reshard reads 300,000).
+    Anything else is parsed and checked field by field, for a precise message.
+    """
+    raw, header = expected_header(file, manifest)
+    if size == header.file_size == file.size and reader.read(0, len(raw)) == raw:
+        return header, []
+    header = read_header(reader, size)
+    return header, check_header(header, file, manifest)
+
+
 @dataclass
 class OpenFile:
     reader: RangeReader
@@ -113,8 +141,7 @@ class CheckpointReader:
                 if size != file.size:
                     problem = "truncated" if size < file.size else "longer than recorded"
                     raise CheckpointError(reader.where, f"file is {problem}: {size} bytes, manifest records {file.size}")
-                header = read_header(reader, size)
-                problems = check_header(header, file, self.manifest)
+                header, problems = read_rank_header(reader, file, self.manifest, size)
                 if problems:
                     raise CheckpointError(reader.where, problems[0])
             except BaseException:

@@ -77,8 +77,8 @@ class Header:
 
 
 @functools.lru_cache(maxsize=65536)
-def _json_name(name: str) -> str:
-    return json.dumps(name)  # the same names recur in every rank file of a checkpoint
+def _entry_prefix(name: str, dtype: str) -> str:
+    return f'{json.dumps(name)}:{{"dtype":"{dtype}","shape":['  # the same names recur in every rank file
 
 
 def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
@@ -106,8 +106,8 @@ def build_header_bytes(tensors: list[tuple[str, str, tuple[int, ...]]],
         if name in relative or name == "__metadata__":
             raise ValueError(f"duplicate or reserved tensor name {name!r}")
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        dims = ",".join(map(str, shape))
-        parts.append(f'{_json_name(name)}:{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":[{offset},{offset + nbytes}]}}')
+        dims = ",".join(map(str, shape)) if len(shape) != 1 else str(shape[0])
+        parts.append(f'{_entry_prefix(name, dtype)}{dims}],"data_offsets":[{offset},{offset + nbytes}]}}')
         relative[name] = (dtype, tuple(shape), offset, offset + nbytes)
         offset += nbytes
     text = ("{" + ",".join(parts) + "}").encode()

@@ -264,9 +264,44 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
     """Read the needed fragments of one input file in file order, each front to back, hash-checked."""
     opened = reader.open_file(rank)
     entries = opened.header.entries
+    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
+    size = opened.header.file_size
+    whole = opened.reader.view(0, size) if size <= WINDOW_BYTES else None
+    if whole is not None:  # a small local file (the many-ranks case): one map, a memcpy per piece
+        out_views = {index: out.view for index, out in outputs.items()}
+        written = dict.fromkeys(outputs, 0)
+        tensors = reader.manifest.tensors
+        for name, pieces in fragments.items():
+            _, _, begin, end = entries[name]
+            view = whole[begin:end]
+            if recorded is not None and hash_bytes(view) != recorded[name]:
+                raise _mismatch(reader, rank, name)
+            tensor = tensors[name]
+            itemsize, dtype_in = tensor.itemsize, tensor.dtype
+            for src, index, dst, count, dtype in pieces:
+                if dtype == dtype_in:
+                    out_views[index][dst:dst + count * itemsize] = view[src * itemsize:(src + count) * itemsize]
+                    written[index] += count * itemsize
+                else:
+                    data = cast_bytes(view[src * itemsize:(src + count) * itemsize], dtype_in, dtype)
+                    out_views[index][dst:dst + len(data)] = data
+                    written[index] += len(data)
+        del view, whole
+        for index, nbytes in written.items():
+            if nbytes:
+                outputs[index].wrote(nbytes)  # bounded residency of big outputs fed by many small inputs
+        if progress is not None:
+            progress(size)
+        return
+    _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress)
+
+
+def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[str, list[Piece]],
+                  outputs: dict[int, MappedOutput], recorded: dict[str, str] | None,
+                  progress: Callable[[int], None] | None) -> None:
+    """Big or remote files: each fragment through windows of WINDOW_BYTES, released as they go."""
+    entries = opened.header.entries
     tensors = reader.manifest.tensors
-    verify = reader.verify_hashes
-    recorded = reader.fragment_hashes(rank) if verify else {}
     window_buffer: memoryview | None = None
     done = released = 0
     for name in sorted(fragments, key=lambda n: entries[n].begin):
@@ -277,7 +312,7 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
             pieces.sort()
         length = entry.end - entry.begin
         window = max(size, WINDOW_BYTES // size * size)
-        hasher = new_hasher() if verify and length > window else None
+        hasher = new_hasher() if recorded is not None and length > window else None
         for w0 in range(0, length, window):
             wlen = min(window, length - w0)
             view = opened.reader.view(entry.begin + w0, wlen)
@@ -288,7 +323,7 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
                 opened.reader.read_into(entry.begin + w0, view)
             if hasher is not None:
                 hasher.update(view)
-            elif verify and hash_bytes(view) != recorded[name]:
+            elif recorded is not None and hash_bytes(view) != recorded[name]:
                 raise _mismatch(reader, rank, name)
             first, last = w0 // size, (w0 + wlen) // size
             for src, index, dst, count, dtype in pieces:
