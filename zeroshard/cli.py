@@ -106,10 +106,11 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Write HF's sharded layout with files up to SIZE (e.g. 5GB, 500MB, 2GiB) into folder OUT.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes sharing the work on this machine (local outputs; see docs/SCALE.md).")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
+              help="Processes sharing the work on this machine (default: every core, up to 8, for a job "
+                   "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @_common
-def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool, workers: int,
+def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool, workers: int | None,
                 storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
@@ -135,10 +136,11 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
 @click.option("--to", "world_size", type=int, required=True, help="The new number of ranks (any M >= 1).")
 @click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes sharing the work on this machine (local outputs; see docs/SCALE.md).")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
+              help="Processes sharing the work on this machine (default: every core, up to 8, for a job "
+                   "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @_common
-def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int, storage_options: dict,
+def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None, storage_options: dict,
             quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
@@ -172,10 +174,10 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 
 @main.command()
 @click.argument("ckpt")
-@click.option("-j", "--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes sharing the work on this machine (each file is read by one of them).")
+@click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
+              help="Processes sharing the files (default: every core, up to 8, for 256+ MiB).")
 @_common
-def verify(ckpt: str, workers: int, storage_options: dict, quiet: bool) -> None:
+def verify(ckpt: str, workers: int | None, storage_options: dict, quiet: bool) -> None:
     """Check checkpoint CKPT completely; exit 0 only if everything holds.
 
     Every rank file present with its recorded size; headers agree with the manifest; the

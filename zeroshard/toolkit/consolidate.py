@@ -21,7 +21,7 @@ from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.transfer import FixedPlans, Job, cast_bytes, plan_output, run_transfer, split_output
+from zeroshard.toolkit.transfer import FixedPlans, Job, auto_workers, cast_bytes, plan_output, run_transfer, split_output
 from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
@@ -67,13 +67,15 @@ def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[Output
 
 def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
-                workers: int = 1) -> list[str]:
-    """Write the model's weights at `out`; returns the URLs of the files written."""
-    if workers < 1:
+                workers: int | None = 1) -> list[str]:
+    """Write the model's weights at `out`; returns the URLs of the files written (`workers=None`: auto_workers)."""
+    if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
     folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size,
                                                      overwrite=overwrite)
+    if workers is None:
+        workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
         write = _write_rank_major if folder.local else _write_streaming
         write(source, manifest, folder, names, shards, bar.update, workers)

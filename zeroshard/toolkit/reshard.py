@@ -30,7 +30,7 @@ from zeroshard.format import (
 from zeroshard.format.manifest import Manifest
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, RankFilePlans, commit, discard, run_transfer, split_tasks
+from zeroshard.toolkit.transfer import Job, RankFilePlans, auto_workers, commit, discard, run_transfer, split_tasks
 
 
 @dataclass
@@ -45,11 +45,11 @@ def default_output(ckpt_url: str, world_size: int) -> str:
 
 
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
-            storage_options: dict | None = None, quiet: bool = True, workers: int = 1) -> ReshardResult:
-    """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out`."""
+            storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> ReshardResult:
+    """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out` (`workers=None`: auto_workers)."""
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     given = Location(ckpt, storage_options)
     source, manifest = open_checkpoint(given)
@@ -66,6 +66,8 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     previous = prepare_output_folder(target, overwrite)
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.nbytes for t in specs)
+    if workers is None:
+        workers = auto_workers(manifest.world_size + world_size, total)
     with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
         write = _write_rank_major if target.local else _write_streaming
         results = write(source, manifest, target, specs, world_size, checkpoint_id, bar.update, workers)

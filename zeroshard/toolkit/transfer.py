@@ -387,6 +387,13 @@ def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
     return hasher.hexdigest()
 
 
+def auto_workers(files: int, nbytes: int) -> int:
+    """--workers' default: every core (up to 8) for a job worth spreading, else this process alone
+    (starting a worker costs a few tenths of a second)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8) if files >= 64 or nbytes >= 256 * 2**20 else 1
+
+
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
 
 

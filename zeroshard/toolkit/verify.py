@@ -41,9 +41,9 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True, workers: int = 1) -> VerifyReport:
-    """Check everything; `workers` processes share the files (each file is read by one of them)."""
-    if workers < 1:
+def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> VerifyReport:
+    """Check everything; `workers` processes share the files (each read by one; None: auto_workers)."""
+    if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     location = resolve_checkpoint(Location(ckpt, storage_options))
     report = VerifyReport(location.url)
@@ -59,6 +59,10 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
             report.problems.append(f"{location.url_of(name)}: extra rank file not in {MANIFEST_NAME}")
     files = [f for f in manifest.files if f.name in present]
     report.problems.extend(f"{location.url_of(f.name)}: missing" for f in manifest.files if f.name not in present)
+    if workers is None:
+        from zeroshard.toolkit.transfer import auto_workers
+
+        workers = auto_workers(0, sum(f.size for f in files))  # by bytes: a small file costs less than a spawn
     with byte_bar(sum(f.size for f in files), "verify", quiet) as bar:
         if workers == 1 or len(files) < 2:
             outcomes = [check_files(location.url, location.storage_options, manifest, [f], bar.update) for f in files]
