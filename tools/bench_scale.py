@@ -50,9 +50,10 @@ save_file({{f"layer.{{i}}.weight": np.random.default_rng(i).standard_normal({num
 """
     model = path.parent / f"{path.name}-model.safetensors"
     subprocess.run([sys.executable, "-c", code, str(model)], check=True)
-    subprocess.run(zeroshard("shard", str(model), str(path) + "-w1", "--world", "1"), check=True)
+    subprocess.run(zeroshard("shard", str(model), str(path) + "-w1", "--world", "1"), check=True, capture_output=True)
     start = time.perf_counter()
-    subprocess.run(zeroshard("reshard", str(path) + "-w1", "--to", str(world), "-o", str(path)), check=True)
+    subprocess.run(zeroshard("reshard", str(path) + "-w1", "--to", str(world), "-o", str(path)), check=True,
+                   capture_output=True)
     elapsed = time.perf_counter() - start
     shutil.rmtree(str(path) + "-w1")
     model.unlink()
@@ -141,7 +142,7 @@ def main() -> None:
     if args.skip_part2:
         return
     big = work / "plan"
-    built = build(big, args.plan_tensors, 64, args.plan_ranks)
+    built = build(big, args.plan_tensors, args.plan_ranks, args.plan_ranks)  # one element per rank
     size = sum(f.stat().st_size for f in big.iterdir())
     print(f"\ncheckpoint: {args.plan_tensors} tensors over {args.plan_ranks} ranks ({size / 1e6:.0f} MB, manifest "
           f"{(big / 'zeroshard.json').stat().st_size / 1e3:.0f} kB), built by reshard 1 -> {args.plan_ranks} "

@@ -5,8 +5,8 @@
 Builds a synthetic LLM-shaped checkpoint (embedding + transformer blocks) with AdamW state
 (fp32 weights, exp_avg, exp_avg_sq, step) over 4 ranks, then times, each as its own process:
 
-- consolidate (weights only) vs `cp` of a file of the consolidated size,
-- reshard 4 -> 16 and 4 -> 3 vs `cp` of the whole checkpoint,
+- consolidate (weights only) vs `cp` of a file of the consolidated size, with 1 and 2 workers,
+- reshard 4 -> 16 (1 and 2 workers) and 4 -> 3 vs `cp` of the whole checkpoint,
 - verify (reads and hashes everything) vs `cat` of the whole checkpoint to /dev/null,
 
 and reports each one's peak RSS against the largest tensor. zeroshard fsyncs every file it
@@ -147,17 +147,19 @@ def main() -> None:
     cons_size = out.stat().st_size
     same = work / "same.bin"
     shutil.copyfile(out, same)
-    rows = [("consolidate (weights)", cons_size, *pair(
-        zeroshard("consolidate", str(ckpt), str(out)), rm(out),
-        f"cp {same} {copy} && sync {copy}", rm(copy), f"cp {same} {copy}"))]
-    for to in (16, 3):
+    rows = []
+    for workers in ("1", "2"):
+        rows.append((f"consolidate (weights), -j {workers}", cons_size, *pair(
+            zeroshard("consolidate", str(ckpt), str(out), "-j", workers), rm(out),
+            f"cp {same} {copy} && sync {copy}", rm(copy), f"cp {same} {copy}")))
+    for to, workers in ((16, "1"), (16, "2"), (3, "1")):
         target = work / f"w{to}"
-        rows.append((f"reshard 4 -> {to}", total, *pair(
-            zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite"), rm(target),
-            f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), f"cp -r {ckpt} {copy}")))
+        rows.append((f"reshard 4 -> {to}, -j {workers}", total, *pair(
+            zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite", "-j", workers),
+            rm(target), f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), f"cp -r {ckpt} {copy}")))
         shutil.rmtree(target, ignore_errors=True)
-    rows.append(("verify (read + hash all)", total, *pair(
-        zeroshard("verify", str(ckpt)), rm(), f"cat {ckpt}/*.safetensors > /dev/null", rm(),
+    rows.append(("verify (read + hash all), -j 1", total, *pair(
+        zeroshard("verify", str(ckpt), "-j", "1"), rm(), f"cat {ckpt}/*.safetensors > /dev/null", rm(),
         f"cat {ckpt}/*.safetensors > /dev/null")))
 
     limit = largest + 512 * 2**20
