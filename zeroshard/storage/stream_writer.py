@@ -16,6 +16,10 @@ from zeroshard.storage.location import AtomicWriter, Location
 from zeroshard.storage.safetensors_header import build_header
 
 
+SMALL_WRITE_BYTES = 64 * 1024
+GATHER_BYTES = 1024 * 1024
+
+
 class SafetensorsStreamWriter:
     """`with SafetensorsStreamWriter(loc, name, tensors, metadata) as w: w.write(bytes)...`
 
@@ -30,6 +34,7 @@ class SafetensorsStreamWriter:
         self.size = max((e.end for e in entries.values()), default=len(self._header))
         self._hasher = SegmentHasher([(e.begin, e.end, n) for n, e in entries.items()])
         self._out = AtomicWriter(location, name, durable, write_behind)
+        self._small = bytearray()  # small writes gathered: a syscall (or thread hand-off) per fragment is the cost
         self.file_hash = ""
         self.tensor_hashes: dict[str, str] = {}
 
@@ -55,9 +60,26 @@ class SafetensorsStreamWriter:
 
     def _write(self, view: memoryview) -> None:
         self._hasher.update(view)
+        if len(view) < SMALL_WRITE_BYTES:
+            self._small += view
+            if len(self._small) >= GATHER_BYTES:
+                self._flush_small()
+            return
+        self._flush_small()
         self._out.write(view)
 
+    def _flush_small(self) -> None:
+        if self._small:
+            self._out.write(bytes(self._small))  # a copy: write-behind may still be sending it
+            self._small.clear()
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            try:
+                self._flush_small()
+            except BaseException as error:
+                self._out.__exit__(type(error), error, tb)
+                raise
         if exc_type is None and self._hasher.offset != self.size:
             error = StorageError(self.where, f"incomplete: {self._hasher.offset} of {self.size} bytes written")
             self._out.__exit__(StorageError, error, tb)
