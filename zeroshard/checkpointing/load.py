@@ -21,7 +21,7 @@ from zeroshard.checkpointing.collect import rng_key
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
-from zeroshard.format.manifest import Manifest
+from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -82,13 +82,18 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     states: dict[str, dict[str, Any]] = {}
     buffers: dict[str, torch.Tensor] = {}
     error = None
+    optimizer_entries: dict[str, list[TensorEntry]] = {}  # by parameter: one pass, not one per parameter
+    for entry in manifest.tensors.values():
+        if entry.role == "optimizer":
+            optimizer_entries.setdefault(entry.param, []).append(entry)
     try:
         with CheckpointReader(location, manifest) as reader:
             for name in names:
                 info = shards[name]
                 state: dict[str, Any] = {"fragment": reader.read_flat(manifest.tensors[name], info.start, info.end)}
                 if load_optimizer_states and info.requires_grad:
-                    state["optimizer_state"] = _optimizer_state(reader, manifest, name, info, engine.device)
+                    state["optimizer_state"] = _optimizer_state(reader, manifest, optimizer_entries.get(name, []),
+                                                                name, info, engine.device)
                 states[name] = state
             own = dict(engine.module.named_buffers())
             for name, entry in manifest.tensors.items():
@@ -108,19 +113,18 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     return manifest.client_state
 
 
-def _optimizer_state(reader: CheckpointReader, manifest: Manifest, name: str, info: Any,
+def _optimizer_state(reader: CheckpointReader, manifest: Manifest, entries: list[TensorEntry], name: str, info: Any,
                      device: torch.device) -> dict[str, Any]:
     """Per-element state is read straight into tensors of the engine's padded layout (`chunk`
     elements, zero padding), which load_shards(adopt=True) takes over without another copy."""
     state: dict[str, Any] = {}
     owned = info.end - info.start
-    for entry in manifest.tensors.values():
-        if entry.role == "optimizer" and entry.param == name:
-            padded = torch.empty(info.chunk, dtype=torch_dtype(entry.dtype), device="cpu")
-            padded[owned:].zero_()
-            if owned:
-                reader.read_into(entry, info.start, memoryview(padded[:owned].view(torch.uint8).numpy()))
-            state[entry.state] = padded.to(device) if device.type != "cpu" else padded
+    for entry in entries:
+        padded = torch.empty(info.chunk, dtype=torch_dtype(entry.dtype), device="cpu")
+        padded[owned:].zero_()
+        if owned:
+            reader.read_into(entry, info.start, memoryview(padded[:owned].view(torch.uint8).numpy()))
+        state[entry.state] = padded.to(device) if device.type != "cpu" else padded
     scalars = ((manifest.optimizer or {}).get("scalar_state") or {}).get(name, {})
     for key, value in scalars.items():
         state[key] = _scalar(value, device)
