@@ -72,8 +72,8 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
-    folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size,
-                                                     overwrite=overwrite)
+    folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size)
+    prepare_output(folder, names, single_file, overwrite)
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
@@ -84,10 +84,9 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     return [folder.url_of(name) for name in names]
 
 
-def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, max_shard_size: str | None,
-         overwrite: bool) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
-    """What consolidate writes: (folder, file names, tensors per file, total bytes, single file?).
-    Refuses an existing output unless `overwrite`."""
+def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
+         max_shard_size: str | None) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
+    """What consolidate writes: (folder, file names, tensors per file, total bytes, single file?)."""
     storage_options = source.storage_options
     if dtype is not None and dtype not in CAST_DTYPES:
         raise ZeroshardError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
@@ -109,17 +108,23 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, m
     if single_file:
         folder, names = Location(split_file_url(out)[0], storage_options), [split_file_url(out)[1]]
         shards = [tensors]
-        if folder.exists(names[0]) and not overwrite:
-            raise OutputExistsError(folder.url_of(names[0]))
     else:
         folder = Location(out, storage_options)
-        if folder.exists() and folder.list() and not overwrite:
-            raise OutputExistsError(folder.url)
         shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
         count = len(shards)
         names = [HF_SINGLE_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
+
+
+def prepare_output(folder: Location, names: list[str], single_file: bool, overwrite: bool) -> None:
+    """Refuse an existing output unless `overwrite`; an old HF index goes before files are rewritten."""
+    if single_file:
+        if folder.exists(names[0]) and not overwrite:
+            raise OutputExistsError(folder.url_of(names[0]))
+        return
+    if folder.exists() and folder.list() and not overwrite:
+        raise OutputExistsError(folder.url)
+    folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
 
 
 def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],

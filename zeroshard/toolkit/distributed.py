@@ -83,7 +83,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     rank, procs = dist.get_rank(), dist.get_world_size()
     source, manifest = open_checkpoint(ckpt, storage_options)
     folder, names, shards, total, single_file = single.plan(source, manifest, out, dtype=dtype,
-                                                            max_shard_size=max_shard_size, overwrite=overwrite)
+                                                            max_shard_size=max_shard_size)
     if not folder.local:
         raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
@@ -91,6 +91,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
              for name, shard in zip(names, shards)]
 
     def create() -> dict[int, str]:
+        single.prepare_output(folder, names, single_file, overwrite)
         outputs = []
         try:
             for plan in plans:

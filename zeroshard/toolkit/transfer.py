@@ -32,6 +32,7 @@ from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
+PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
 
 
 class OutTensor(NamedTuple):
@@ -303,7 +304,8 @@ def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[s
     entries = opened.header.entries
     tensors = reader.manifest.tensors
     window_buffer: memoryview | None = None
-    done = released = 0
+    done = 0
+    pending = [0, 0, 0]  # input bytes read but still mapped: [first offset, end offset, count]
     for name in sorted(fragments, key=lambda n: entries[n].begin):
         entry, tensor = entries[name], tensors[name]
         size = tensor.itemsize
@@ -335,13 +337,18 @@ def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[s
                     data = cast_bytes(data, tensor.dtype, dtype)
                 at = dst + (lo - src) * DTYPE_SIZES[dtype]
                 out = outputs[index]
-                out.view[at:at + len(data)] = data
-                out.wrote(len(data))
+                if len(data) >= PWRITE_BYTES:
+                    out.pwrite(data, at)
+                else:
+                    out.view[at:at + len(data)] = data
+                    out.wrote(len(data))
             del view
             done += wlen
-            if done - released >= WINDOW_BYTES:  # drop what was read from this process's map, in bulk
-                opened.reader.release(entry.begin + w0 + wlen - (done - released), done - released)
-                released = done
+            at = entry.begin + w0
+            pending = [at, at + wlen, wlen] if not pending[2] else [pending[0], at + wlen, pending[2] + wlen]
+            if pending[2] >= WINDOW_BYTES:  # drop what was read from this process's map, in bulk
+                opened.reader.release(pending[0], pending[1] - pending[0])
+                pending = [0, 0, 0]
         if hasher is not None and hasher.hexdigest() != recorded[name]:
             raise _mismatch(reader, rank, name)
     if progress is not None:
@@ -379,11 +386,13 @@ def _finish(plan: OutputPlan, out: MappedOutput) -> Finished:
 
 def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
     if end - begin <= WINDOW_BYTES:
-        return hash_bytes(out.view[begin:end])
+        digest = hash_bytes(out.view[begin:end])
+        out.wrote(end - begin)  # read pages count too: dropped every 64 MiB
+        return digest
     hasher = new_hasher()
     for offset in range(begin, end, WINDOW_BYTES):  # big regions: bounded residency
         hasher.update(out.view[offset:min(offset + WINDOW_BYTES, end)])
-        out.release()
+        out.wrote(min(WINDOW_BYTES, end - offset))  # read pages count too: dropped every 64 MiB
     return hasher.hexdigest()
 
 
