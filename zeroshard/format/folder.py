@@ -18,11 +18,19 @@ def resolve_checkpoint(location: Location) -> Location:
     """The checkpoint folder a user path means: itself if it holds a manifest, else what its
     `latest` names. Errors say what was found instead."""
     if location.exists(MANIFEST_NAME):
+        _refuse_link(location, MANIFEST_NAME)
         return location
     if location.exists(LATEST_NAME):
-        name = location.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
+        _refuse_link(location, LATEST_NAME)
+        raw = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES + 1)
+        if len(raw) > MAX_LATEST_BYTES:
+            raise CheckpointError(location.url_of(LATEST_NAME), f"is over {MAX_LATEST_BYTES} bytes: not a checkpoint name "
+                                                                f"(starts {raw[:32]!r})")
+        name = raw.decode("utf-8", "replace").strip()
         if not is_safe_file_name(name):
-            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name!r}, which is not a folder inside {location.url}")
+            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name[:64]!r}{'...' if len(name) > 64 else ''}, "
+                                                                f"which is not a folder inside {location.url}")
+        _refuse_link(location, name)
         target = location.child(name)
         if not target.exists(MANIFEST_NAME):
             raise CheckpointError(target.url, f"named by {LATEST_NAME} but holds no {MANIFEST_NAME}")
@@ -34,6 +42,16 @@ def resolve_checkpoint(location: Location) -> Location:
         raise CheckpointError(location.url, f"incomplete checkpoint: {len(rank_files)} rank files but no "
                                             f"{MANIFEST_NAME} (the save never committed)")
     raise CheckpointError(location.url, f"not a zeroshard checkpoint: neither {MANIFEST_NAME} nor {LATEST_NAME} found")
+
+
+MAX_LATEST_BYTES = 4096  # a folder name and a newline; anything longer is not a `latest` file
+
+
+def _refuse_link(location: Location, name: str) -> None:
+    """Links are never followed out of a checkpoint or root: what they point at is not ours."""
+    if location.is_link(name):
+        raise CheckpointError(location.url_of(name), "is a symbolic link; zeroshard does not follow links inside a "
+                                                     "checkpoint or root (point at the real path instead)")
 
 
 def load_manifest(location: Location) -> Manifest:
@@ -53,7 +71,9 @@ def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
 
     An existing, non-empty folder is refused unless `overwrite`. When overwriting, the old
     manifest goes first, so the folder never looks like a complete checkpoint while it is
-    being rewritten; stale rank files are removed after the new manifest lands.
+    being rewritten; stale rank files are removed after the new manifest lands. (This loses the
+    old checkpoint if the new write fails: the toolkit uses format.output.prepare_output,
+    which keeps it until the new one commits.)
     """
     existing = location.list() if location.exists() else []
     if existing and not overwrite:

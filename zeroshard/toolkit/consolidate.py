@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from zeroshard.errors import OutputExistsError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.manifest import TensorEntry
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
+from zeroshard.storage.identity import check_output_apart
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, torch_dtype
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
@@ -62,6 +64,7 @@ def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[Output
     return shards
 
 
+@output_transaction
 def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True) -> list[str]:
     """Write the model's weights at `out`; returns the URLs of the files written."""
@@ -83,34 +86,34 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     single_file = out.rstrip("/").endswith(".safetensors")
     if single_file and max_shard_size:
         raise ZeroshardError(f"{out}: --max-shard-size writes HF's sharded layout into a folder; give a folder as OUT")
-    if single_file:
+    inputs = [Location(ckpt, storage_options), source]
+    if single_file:  # one file, replaced atomically: the old one stays until the new one is complete
         folder, names = Location(split_file_url(out)[0], storage_options), [split_file_url(out)[1]]
-        shards = [tensors]
+        check_output_apart(folder, inputs, names[0])
+        shards, output = [tensors], None
         if folder.exists(names[0]) and not overwrite:
             raise OutputExistsError(folder.url_of(names[0]))
     else:
         folder = Location(out, storage_options)
-        if folder.exists() and folder.list() and not overwrite:
-            raise OutputExistsError(folder.url)
+        output = prepare_output(folder, overwrite, inputs)  # identity, claim, stage (docs/SAFETY.md)
         shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
         count = len(shards)
         names = [HF_SINGLE_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
 
     total = sum(t.nbytes for t in tensors)
     written = []
     with CheckpointReader(source, manifest) as reader, byte_bar(total, "consolidate", quiet) as bar:
         for name, shard_tensors in zip(names, shards):
             layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
-            with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
+            with SafetensorsStreamWriter(output.stage if output else folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
                 for tensor in shard_tensors:
                     for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel):
                         data = _cast(chunk, tensor.source.dtype, tensor.dtype)
                         writer.write(data)
                         bar.update(len(data))
             written.append(folder.url_of(name))
-    if not single_file:
-        _finish_folder(folder, names, shards, total)
+    if output is not None:
+        _finish_folder(output, names, shards, total)
     return written
 
 
@@ -127,13 +130,11 @@ def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     return memoryview(values.view(torch.uint8).numpy())
 
 
-def _finish_folder(folder: Location, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
-    """Write HF's index (last: it vouches for the files) and remove files of an older export."""
+def _finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
+    """Commit HF's layout: the index last (it vouches for the files); files of an older export removed."""
+    index = None
     if len(names) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        folder.write_bytes(HF_INDEX_NAME, json.dumps(index, indent=2).encode())
-    stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-    for existing in folder.list():
-        if stale.match(existing) and existing not in names:
-            folder.remove(existing)
+        index = (HF_INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+    stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+    output.commit(names, index, uncommit=[HF_INDEX_NAME], stale=lambda n: bool(stale.match(n)))

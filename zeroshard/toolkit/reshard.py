@@ -16,14 +16,13 @@ from zeroshard.format import (
     CheckpointReader,
     TensorSpec,
     build_manifest,
-    commit_checkpoint,
     open_checkpoint,
-    prepare_output_folder,
     rank_contents,
     update_latest,
     write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 
@@ -40,6 +39,7 @@ def default_output(ckpt_url: str, world_size: int) -> str:
     return f"{ckpt_url.rstrip('/')}-world{world_size}"
 
 
+@output_transaction
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
             storage_options: dict | None = None, quiet: bool = True) -> ReshardResult:
     """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out`."""
@@ -56,9 +56,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     specs = [TensorSpec.of(t) for t in entries.values()]
     out_root = Location(out or default_output(given.url, world_size), storage_options)
     target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
-    if target.url.rstrip("/") == source.url.rstrip("/") or out_root.url.rstrip("/") == given.url.rstrip("/"):
-        raise ZeroshardError(f"{target.url}: output must differ from the input checkpoint")
-    previous = prepare_output_folder(target, overwrite)
+    output = prepare_output(target, overwrite, inputs=[given, source])  # identity, claim, stage (docs/SAFETY.md)
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.nbytes for t in entries.values())
     with CheckpointReader(source, manifest) as reader, byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
@@ -68,7 +66,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
                 write(chunk)
                 bar.update(len(chunk))
 
-        results = [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
+        results = [write_rank_file(output.stage, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
                                        durable=False, write_behind=True)
                    for rank in range(world_size)]
     extra = dict(manifest.extra)
@@ -76,7 +74,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
                          dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                          client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-    commit_checkpoint(target, new, previous, sync_files=True)
+    output.commit_checkpoint(new, sync_files=True)
     if as_root:
         update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
     return ReshardResult(new, target, dropped)
