@@ -26,7 +26,7 @@ from zeroshard.errors import OutputExistsError
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.identity import check_output_apart
-from zeroshard.storage.leftovers import find_leftovers
+from zeroshard.storage.leftovers import SWAP_MARKER, find_leftovers
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.storage.owner import owner_tag
 
@@ -42,6 +42,7 @@ class PreparedOutput:
     previous: list[str]  # visible names in `target` before this run
     claim: Claim | None
     done: bool = field(default=False)
+    swapping: bool = field(default=False)  # the old output is un-committed: the stage must survive a failure
 
     @property
     def staged(self) -> bool:
@@ -64,7 +65,9 @@ class PreparedOutput:
         keep = set(names) | ({commit_file[0]} if commit_file else set())
         if self.staged:
             if commit_file:
-                self.stage.write_bytes(*commit_file)  # the stage is now a complete output on its own
+                self.stage.write_bytes(*commit_file)  # from here on, stage + target hold the whole new output
+            self.stage.write_bytes(SWAP_MARKER, b"swap begun: stage + target hold the new output\n")
+            self.swapping = True
             for name in uncommit:
                 self.target.remove(name)
             for name in names:
@@ -77,11 +80,13 @@ class PreparedOutput:
         self._finish()
 
     def abandon(self) -> None:
-        """Drop the new files (the old output was never touched) and the claim."""
-        self._finish()
+        """Drop the new files (the old output was never touched) and the claim. Once the swap has
+        begun, the stage is kept instead: with the files already moved up it is the new output,
+        and `zeroshard clean` reports it rather than removing it."""
+        self._finish(keep_stage=self.swapping)
 
-    def _finish(self) -> None:
-        if self.staged:
+    def _finish(self, keep_stage: bool = False) -> None:
+        if self.staged and not keep_stage:
             with contextlib.suppress(Exception):
                 self.target.remove(self.stage.path.rsplit("/", 1)[-1], recursive=True)
         if self.claim is not None:

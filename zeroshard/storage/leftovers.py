@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +20,10 @@ from zeroshard.storage.claim import CLAIM_NAME
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_alive, owner_of_temp
 
-COMMIT_NAMES = ("zeroshard.json", "model.safetensors.index.json")  # files that vouch for a folder
+# Written into a staging folder just before its output swaps in (format.output): from then on
+# the stage may hold the only copy of part of the new output, and is never removed as stale.
+SWAP_MARKER = ".zeroshard-swapping"
+KEEP_REASON = "its swap into place was interrupted: it holds part of the new output; move its files up"
 
 
 @dataclass
@@ -87,11 +89,7 @@ def _tree_size_and_mtime(path: str) -> tuple[int, float]:
 
 
 def _keep_reason(stage: str, target: str) -> str:
-    """A staging folder holding a commit file while its target lacks one: an interrupted swap."""
-    for name in COMMIT_NAMES:
-        if os.path.exists(os.path.join(stage, name)) and not os.path.exists(os.path.join(target, name)):
-            return f"holds a complete new output ({name}) whose swap into {target} was interrupted; move its files up"
-    return ""
+    return KEEP_REASON if os.path.exists(os.path.join(stage, SWAP_MARKER)) else ""
 
 
 def _claim_owner(path: str) -> str:
@@ -152,12 +150,7 @@ def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
         full = f"{root}/{rel}"
         is_folder = any(i["name"].rstrip("/") != full for i in infos)
         ages = [a for a in (_age(i, now) for i in infos) if a is not None]
-        keep = ""
-        if is_folder:
-            parent = posixpath.dirname(full)
-            for commit in COMMIT_NAMES:
-                if f"{full}/{commit}" in found and not fs.exists(f"{parent}/{commit}"):
-                    keep = f"holds a complete new output ({commit}) whose swap into {parent} was interrupted; move its files up"
+        keep = KEEP_REASON if is_folder and any(i["name"].endswith("/" + SWAP_MARKER) for i in infos) else ""
         out.append(Leftover(f"{location.url}/{rel}", "staging folder" if is_folder else "temp file",
                             sum(int(i.get("size") or 0) for i in infos), min(ages) if ages else None,
                             owner_alive(owner_of_temp(name, TEMP_PREFIX)), _rm(fs, full, recursive=is_folder), keep))
