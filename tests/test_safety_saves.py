@@ -125,3 +125,20 @@ def test_keep_last_never_follows_a_link_out_of_the_root(tmp_path):
     assert (root / "aaa-link").is_symlink()
     result = CliRunner().invoke(main, ["verify", "-q", str(elsewhere / TAG)])
     assert result.exit_code == 0, result.output
+
+
+def test_a_save_takes_over_a_killed_save_of_its_tag_and_removes_its_leftovers(tmp_path):
+    from zeroshard.storage.owner import host_id
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = f"{host_id()}.{int(dead.stdout)}"
+    folder = tmp_path / "run" / TAG
+    folder.mkdir(parents=True)
+    (folder / CLAIM_NAME).write_text(json.dumps({"owner": owner, "time": time.time(), "nonce": "killed"}))
+    (folder / f".zeroshard-tmp-{owner}-abcd1234-rank-00000-of-00002.safetensors").write_bytes(b"\0" * 4096)
+    (folder / "rank-00001-of-00002.safetensors").write_bytes(b"half a file from the killed save")
+    outs = run_ranks(run, 2, timeout=240, stage=2, steps=1, ckpt=str(tmp_path / "run"), save_at=(1,))
+    assert all(not out["errors"] for out in outs), [out["errors"] for out in outs]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors", "zeroshard.json"]
+    assert CliRunner().invoke(main, ["verify", "-q", str(tmp_path / "run")]).exit_code == 0

@@ -31,6 +31,7 @@ from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
 from zeroshard.storage import Location
 from zeroshard.storage.claim import Claim, take_claim
+from zeroshard.storage.leftovers import remove_leftovers_of_others
 from zeroshard.storage.safetensors_header import dtype_name
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class CheckpointSaver:
                 claim = take_claim(root.child(tag), "checkpoint tag")
                 if root.child(tag).exists(MANIFEST_NAME):
                     refusal = f"{root.url_of(tag)}: a committed checkpoint with this tag exists"
+                else:  # temp files or uploads of an earlier, killed save of this tag
+                    remove_leftovers_of_others(root.child(tag))
             except ZeroshardError as exc:
                 refusal = str(exc)
             if refusal and claim is not None:

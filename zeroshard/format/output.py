@@ -4,10 +4,11 @@ prepare_output() refuses an output that overlaps an input (storage.identity), cl
 for this writer (storage.claim), removes leftovers of dead writers there, and picks where the
 new files go: straight into the folder when it holds nothing, or, when --overwrite replaces an
 existing output, into a hidden staging folder inside it. Until commit the old output is not
-touched. commit() then swaps: write the new commit file (manifest or index) into the stage, so
-the stage alone is a complete output; remove the old commit file (un-commit); move the new files
-up (renames locally, server-side copies on S3); write the commit file; delete what the old
-output had that the new one does not use; drop the stage and the claim.
+touched. commit() then swaps: write the new commit file (manifest or index) and a swap marker
+into the stage; remove the old commit file (un-commit); move the new files up (renames locally,
+server-side copies on S3); delete what the old output had that the new one does not use; write
+the commit file; drop the stage and the claim. From the marker on, stage + folder hold the
+whole new output, and the stage is never removed as a leftover.
 
 A command that writes outputs is decorated with @output_transaction: if it raises, every output
 it prepared is abandoned (stage removed, claim released) and the old output is left as it was.
@@ -26,7 +27,7 @@ from zeroshard.errors import OutputExistsError
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.identity import check_output_apart
-from zeroshard.storage.leftovers import SWAP_MARKER, find_leftovers
+from zeroshard.storage.leftovers import SWAP_MARKER, remove_leftovers_of_others
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.storage.owner import owner_tag
 
@@ -72,11 +73,13 @@ class PreparedOutput:
                 self.target.remove(name)
             for name in names:
                 self.stage.move_into(name, self.target)
-        if commit_file:
-            self.target.write_bytes(*commit_file)
+        # old files the new output does not use go before the commit: an interrupted swap then
+        # leaves exactly the new files here and the commit file in the stage
         for name in self.previous:
             if name not in keep and stale(name):
                 self.target.remove(name)
+        if commit_file:
+            self.target.write_bytes(*commit_file)
         self._finish()
 
     def abandon(self) -> None:
@@ -99,11 +102,7 @@ def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location]
     check_output_apart(target, list(inputs))
     claim = take_claim(target)
     try:
-        for leftover in find_leftovers(target, recursive=False):
-            # we hold the claim: no other zeroshard writer is at work here; a live process of
-            # this host (an older zeroshard?) is still left alone
-            if leftover.kind != "claim" and not leftover.keep and leftover.alive is not True:
-                leftover.remove()
+        remove_leftovers_of_others(target)
         existing = [n for n in target.list() if not n.startswith(TEMP_PREFIX) and n != CLAIM_NAME]
         if existing and not overwrite:
             raise OutputExistsError(target.url)

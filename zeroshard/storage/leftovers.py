@@ -50,6 +50,15 @@ def find_leftovers(location: Location, recursive: bool = True) -> list[Leftover]
         return _find_remote(location, recursive) + _find_uploads(location, recursive)
 
 
+def remove_leftovers_of_others(location: Location) -> None:
+    """For a writer that has just claimed `location`: remove the leftovers directly in it. The
+    claim shuts out every other zeroshard writer, so whatever is here belongs to a dead one;
+    only a live process of this host (an older zeroshard?) and an interrupted swap are spared."""
+    for leftover in find_leftovers(location, recursive=False):
+        if leftover.kind != "claim" and not leftover.keep and leftover.alive is not True:
+            leftover.remove()
+
+
 # ---- local ---------------------------------------------------------------------------------
 def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover]:
     out: list[Leftover] = []
