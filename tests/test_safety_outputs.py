@@ -252,3 +252,30 @@ def test_a_huge_latest_file_is_an_error_of_one_short_line(tmp_path):
     code, output = run_cli("inspect", str(root))
     assert_one_line_error(code, output, "latest", "not a folder inside")
     assert len(output) < 400
+
+
+def test_a_killed_consolidate_leaves_a_temp_that_the_next_run_removes(ckpt, tmp_path):
+    script = (
+        "import os, signal, sys\n"
+        "from zeroshard.format import reader\n"
+        "real = reader.CheckpointReader.iter_range\n"
+        "calls = []\n"
+        "def dying(self, *a, **k):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) > 3: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(self, *a, **k)\n"
+        "reader.CheckpointReader.iter_range = dying\n"
+        "from zeroshard.cli import main\n"
+        "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+        "main()\n")
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the old export")
+    result = subprocess.run([sys.executable, "-c", script, "consolidate", "-q", "--overwrite", str(ckpt),
+                             str(out / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    temps = [p for p in out.iterdir() if p.name.startswith(".zeroshard-tmp-")]
+    assert len(temps) == 1 and (out / "model.safetensors").read_bytes() == b"the old export"
+    code, output = run_cli("consolidate", "-q", "--overwrite", str(ckpt), str(out / "model.safetensors"))
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

@@ -27,7 +27,7 @@ from zeroshard.errors import OutputExistsError
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.identity import check_output_apart
-from zeroshard.storage.leftovers import SWAP_MARKER, remove_leftovers_of_others
+from zeroshard.storage.leftovers import SWAP_MARKER, find_leftovers, remove_leftovers_of_others
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.storage.owner import owner_tag
 
@@ -116,6 +116,18 @@ def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location]
     if registry is not None:
         registry.append(prepared)
     return prepared
+
+
+def prepare_file_output(folder: Location, name: str, overwrite: bool, inputs: Iterable[Location] = ()) -> None:
+    """For a one-file output (written atomically, so the old file stays until the new one
+    lands): refuse overlap with an input and an existing file unless `overwrite`; remove temp
+    files of dead writers of this very name (no claim here: a live writer's are left alone)."""
+    check_output_apart(folder, list(inputs), name)
+    for leftover in find_leftovers(folder, recursive=False):
+        if leftover.kind == "temp file" and leftover.alive is False and leftover.url.endswith("-" + name):
+            leftover.remove()
+    if folder.exists(name) and not overwrite:
+        raise OutputExistsError(folder.url_of(name))
 
 
 def output_transaction(fn: F) -> F:

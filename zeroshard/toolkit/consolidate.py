@@ -12,11 +12,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from zeroshard.errors import OutputExistsError, ZeroshardError
+from zeroshard.errors import ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.manifest import TensorEntry
-from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
-from zeroshard.storage.identity import check_output_apart
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, torch_dtype
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
@@ -89,10 +88,8 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     inputs = [Location(ckpt, storage_options), source]
     if single_file:  # one file, replaced atomically: the old one stays until the new one is complete
         folder, names = Location(split_file_url(out)[0], storage_options), [split_file_url(out)[1]]
-        check_output_apart(folder, inputs, names[0])
+        prepare_file_output(folder, names[0], overwrite, inputs)  # identity, dead temps (docs/SAFETY.md)
         shards, output = [tensors], None
-        if folder.exists(names[0]) and not overwrite:
-            raise OutputExistsError(folder.url_of(names[0]))
     else:
         folder = Location(out, storage_options)
         output = prepare_output(folder, overwrite, inputs)  # identity, claim, stage (docs/SAFETY.md)
