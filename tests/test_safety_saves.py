@@ -142,3 +142,14 @@ def test_a_save_takes_over_a_killed_save_of_its_tag_and_removes_its_leftovers(tm
     assert sorted(p.name for p in folder.iterdir()) == [
         "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors", "zeroshard.json"]
     assert CliRunner().invoke(main, ["verify", "-q", str(tmp_path / "run")]).exit_code == 0
+
+
+def test_a_save_into_a_tag_that_is_a_link_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / TAG).symlink_to(elsewhere)
+    outs = run_ranks(run, 2, timeout=240, stage=1, steps=1, ckpt=str(tmp_path / "run"), save_at=(1,))
+    for out in outs:
+        assert len(out["errors"]) == 1 and "symbolic link" in out["errors"][0] and TAG in out["errors"][0]
+    assert list(elsewhere.iterdir()) == []

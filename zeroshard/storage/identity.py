@@ -39,6 +39,36 @@ def _overlap(a: tuple[str, str], b: tuple[str, str]) -> str | None:
     return None
 
 
+def _inode_chain(path: str) -> list[tuple[int, int]]:
+    """(device, inode) of `path` (if it exists) and of every existing folder above it: catches
+    the same folder reached by two paths that realpath cannot equate (bind mounts, a
+    case-insensitive filesystem)."""
+    chain = []
+    while True:
+        try:
+            st = os.stat(path)
+            chain.append((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+        parent = os.path.dirname(path)
+        if parent == path:
+            return chain
+        path = parent
+
+
+def _local_overlap(out_path: str, in_path: str) -> str | None:
+    out_chain, in_chain = _inode_chain(out_path), _inode_chain(in_path)
+    if not in_chain:
+        return None
+    if os.path.exists(out_path) and out_chain and out_chain[0] == in_chain[0]:
+        return "is"
+    if in_chain[0] in out_chain:
+        return "is inside"
+    if os.path.exists(out_path) and out_chain and out_chain[0] in in_chain:
+        return "contains"
+    return None
+
+
 def check_output_apart(output: Location, inputs: list[Location], output_name: str = "") -> None:
     """Refuse an output that is, is inside, or contains any input file or folder.
 
@@ -47,7 +77,10 @@ def check_output_apart(output: Location, inputs: list[Location], output_name: st
     out_id = identity(output, output_name)
     out_url = output.url_of(output_name)
     for source in inputs:
-        relation = _overlap(out_id, identity(source))
+        in_id = identity(source)
+        relation = _overlap(out_id, in_id)
+        if relation is None and out_id[0] == in_id[0] == "file":
+            relation = _local_overlap(out_id[1], in_id[1])
         if relation:
             raise ZeroshardError(f"{out_url}: output {relation} the input {source.url} (resolved: {out_id[1]}); "
                                  f"the output must differ from the input and not overlap it")
