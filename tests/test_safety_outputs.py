@@ -3,6 +3,7 @@ the old output until the new one commits, and no links followed out of a checkpo
 
 import hashlib
 import json
+import os
 import struct
 import resource
 import signal
@@ -279,3 +280,30 @@ def test_a_killed_consolidate_leaves_a_temp_that_the_next_run_removes(ckpt, tmp_
     code, output = run_cli("consolidate", "-q", "--overwrite", str(ckpt), str(out / "model.safetensors"))
     assert code == 0, output
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_a_failure_inside_the_swap_keeps_the_whole_new_output_and_clean_spares_it(ckpt, tmp_path, monkeypatch):
+    from zeroshard.errors import StorageError
+    from zeroshard.storage.location import Location
+
+    out = tmp_path / "out"
+    assert run_cli("reshard", "-q", str(ckpt), "--to", "3", "-o", str(out))[0] == 0
+    real = Location.write_bytes
+
+    def failing(self, name, data):
+        if name == "zeroshard.json" and self.path.rstrip("/") == str(out):
+            raise StorageError(self.url_of(name), "no space left on device")  # the final commit write
+        return real(self, name, data)
+
+    monkeypatch.setattr(Location, "write_bytes", failing)
+    code, output = run_cli("reshard", "-q", "--overwrite", str(ckpt), "--to", "2", "-o", str(out))
+    assert_one_line_error(code, output, "out/zeroshard.json", "no space")
+    monkeypatch.setattr(Location, "write_bytes", real)
+    stages = [p for p in out.iterdir() if p.name.startswith(".zeroshard-tmp-")]
+    assert len(stages) == 1 and (stages[0] / "zeroshard.json").exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    result = CliRunner().invoke(main, ["clean", str(tmp_path), "--older-than", "0s", "--yes"])
+    assert "kept staging folder" in result.output and stages[0].exists(), result.output
+    os.replace(stages[0] / "zeroshard.json", out / "zeroshard.json")  # the recovery docs/SAFETY.md gives
+    assert run_cli("verify", "-q", str(out))[0] == 0
