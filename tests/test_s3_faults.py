@@ -89,6 +89,21 @@ def test_dropped_upload_keeps_old_output_and_clean_aborts_the_pending_upload(pro
     assert objects(s3_client, bucket, "out/") == before
 
 
+def test_the_next_run_into_the_output_aborts_a_dead_runs_pending_uploads(proxy, old_output, s3_client):
+    ckpt, out, bucket, before = old_output
+    proxy.rule = lambda m, p, q: ("drop", 100) if (m == "PUT" and "partNumber=" in q) or (m == "DELETE" and "uploadId=" in q) else None
+    result = CliRunner().invoke(main, ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out, *via(proxy)])
+    one_line_failure(result, out)
+    assert pending(s3_client, bucket)
+    result = CliRunner().invoke(main, ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out])
+    assert result.exit_code == 0, result.output
+    assert pending(s3_client, bucket) == []
+    keys = objects(s3_client, bucket, "out/")
+    assert sorted(keys) == ["out/rank-00000-of-00003.safetensors", "out/rank-00001-of-00003.safetensors",
+                            "out/rank-00002-of-00003.safetensors", "out/zeroshard.json"]
+    assert CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"]).exit_code == 0
+
+
 def test_failing_read_mid_overwrite_leaves_nothing_behind(tmp_path, proxy, old_output, s3_client, s3_bucket):
     ckpt, out, bucket, before = old_output
     # the input on S3 too, its last rank file unreadable (HTTP 500) once the copy is under way

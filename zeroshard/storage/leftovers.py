@@ -181,8 +181,9 @@ def _find_uploads(location: Location, recursive: bool) -> list[Leftover]:
         page = fs.call_s3("list_multipart_uploads", **kwargs)
         for upload in page.get("Uploads", []):
             key = upload["Key"]
-            if not recursive and "/" in key[len(prefix):]:
-                continue
+            rest = key[len(prefix):]
+            if not recursive and "/" in rest and not rest.startswith(TEMP_PREFIX):
+                continue  # deeper, and not inside one of this folder's stages
             initiated = upload.get("Initiated")
             age = now - initiated.timestamp() if hasattr(initiated, "timestamp") else None
 
