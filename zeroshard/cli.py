@@ -176,8 +176,9 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 @click.argument("ckpt")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Processes sharing the files (default: every core, up to 8, for 256+ MiB).")
+@click.option("--key-file", default=None, metavar="FILE", help="Also check the signature made by `zeroshard sign` with this key.")
 @_common
-def verify(ckpt: str, workers: int | None, storage_options: dict, quiet: bool) -> None:
+def verify(ckpt: str, workers: int | None, key_file: str | None, storage_options: dict, quiet: bool) -> None:
     """Check checkpoint CKPT completely; exit 0 only if everything holds.
 
     Every rank file present with its recorded size; headers agree with the manifest; the
@@ -186,15 +187,69 @@ def verify(ckpt: str, workers: int | None, storage_options: dict, quiet: bool) -
     """
     from zeroshard.toolkit.verify import verify as run
 
-    report = run(ckpt, storage_options=storage_options, quiet=quiet, workers=workers)
+    from zeroshard.format.signature import read_key
+
+    key = read_key(key_file) if key_file else None
+    report = run(ckpt, storage_options=storage_options, quiet=quiet, key=key, workers=workers)
     if report.ok:
         click.echo(f"OK {report.location}: {report.files_checked} files, {report.tensors} tensors, "
-                   f"{report.bytes_checked:,} bytes verified")
+                   f"{report.bytes_checked:,} bytes verified" + (", signature holds" if report.signed else ""))
         return
     for problem in report.problems:
         click.echo(f"FAIL {problem}", err=True)
     click.echo(f"zeroshard: verify found {len(report.problems)} problem(s) in {report.location}", err=True)
     sys.exit(EXIT_VERIFY_FAILED)
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--key-file", required=True, metavar="FILE", help="File holding the secret key (at least 16 bytes).")
+@_common
+def sign(ckpt: str, key_file: str, storage_options: dict, quiet: bool) -> None:
+    """Verify checkpoint CKPT completely, then sign it: zeroshard.json.sig beside the manifest.
+
+    An HMAC-SHA256 under your key over the manifest and the SHA-256 of every file: `zeroshard
+    verify CKPT --key-file FILE` then shows that nobody without the key changed a byte. Symmetric:
+    whoever can verify can also sign. See docs/SAFETY.md for what it does not promise.
+    """
+    from zeroshard.format.signature import read_key
+    from zeroshard.toolkit.sign import sign as run
+
+    click.echo(f"signed {run(ckpt, read_key(key_file), storage_options=storage_options, quiet=quiet)}")
+
+
+@main.command()
+@click.argument("path")
+@click.option("--older-than", default="1h", show_default=True, metavar="AGE",
+              help="Leftovers of unknown owner (another host, S3 uploads) count as stale from this age (30m, 2h, 1d).")
+@click.option("--yes", "yes", is_flag=True, help="Remove them (default: only list; same as --dry-run).")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed (the default).")
+@_common
+def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options: dict, quiet: bool) -> None:
+    """List, then (with --yes) remove what interrupted writers left under PATH.
+
+    Hidden temp files and staging folders (.zeroshard-tmp-*), claims of dead writers
+    (.zeroshard-claim) and, on S3, pending multipart uploads. A leftover of a live process on
+    this host is never stale; one of another host or an S3 upload is stale once older than AGE.
+    Committed checkpoints and any other file are never touched.
+    """
+    from zeroshard.toolkit.clean import clean as run
+    from zeroshard.toolkit.clean import parse_age
+
+    report = run(path, older_than_s=parse_age(older_than), dry_run=dry_run or not yes, storage_options=storage_options)
+    verb = "removed" if yes and not dry_run else "stale"
+    for item in report.stale:
+        click.echo(f"{verb} {item.kind}: {item.url} ({item.size:,} bytes)")
+    for item, why in report.kept:
+        click.echo(f"kept {item.kind}: {item.url} ({why})")
+    for error in report.errors:
+        click.echo(f"zeroshard: error: {error}", err=True)
+    if not report.stale and not report.kept:
+        click.echo(f"nothing to clean under {path}")
+    elif verb == "stale" and report.stale:
+        click.echo(f"{len(report.stale)} stale leftover(s); run again with --yes to remove them")
+    if report.errors:
+        sys.exit(EXIT_ERROR)
 
 
 def _register_estimate() -> None:

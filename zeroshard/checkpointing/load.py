@@ -213,7 +213,7 @@ def _assign_buffers(engine: "ZeroEngine", buffers: dict[str, torch.Tensor]) -> N
 def _read_source(folder: Any, readers: dict[str, Any], source: SourceTensor, start: int, end: int) -> torch.Tensor:
     """Elements [start, end) of a full-model tensor, read straight into a new 1-D tensor."""
     if source.file not in readers:
-        readers[source.file] = folder.open_reader(source.file)
+        readers[source.file] = folder.open_reader(source.file, follow_links=True)
     out = torch.empty(end - start, dtype=torch_dtype(source.dtype))
     if end > start:
         readers[source.file].read_into(source.begin + start * source.itemsize, memoryview(out.view(torch.uint8).numpy()))

@@ -30,6 +30,8 @@ from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, u
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
 from zeroshard.storage import Location
+from zeroshard.storage.claim import Claim, take_claim
+from zeroshard.storage.leftovers import remove_leftovers_of_others
 from zeroshard.storage.safetensors_header import dtype_name
 
 if TYPE_CHECKING:
@@ -66,26 +68,42 @@ class CheckpointSaver:
             raise ValueError("keep_last must be at least 1")
         root = Location(path, storage_options)
         shared: list[Any] = [None, None, None]
+        claim = None
         if engine.rank == 0:
+            refusal = None
             try:
-                taken = root.child(tag).exists(MANIFEST_NAME)
-                refusal = f"{root.url_of(tag)}: a committed checkpoint with this tag exists" if taken else None
+                # claim the tag atomically first: of two jobs saving the same tag into one root,
+                # exactly one proceeds (docs/SAFETY.md); then refuse a committed one
+                if root.is_link(tag):
+                    raise CheckpointError(root.url_of(tag), "is a symbolic link; a save writes only inside its root")
+                claim = take_claim(root.child(tag), "checkpoint tag")
+                if root.child(tag).exists(MANIFEST_NAME):
+                    refusal = f"{root.url_of(tag)}: a committed checkpoint with this tag exists"
+                else:  # temp files or uploads of an earlier, killed save of this tag
+                    remove_leftovers_of_others(root.child(tag))
             except ZeroshardError as exc:
                 refusal = str(exc)
+            if refusal and claim is not None:
+                claim.release()
             shared = [uuid.uuid4().hex, tag, refusal]
         dist.broadcast_object_list(shared, src=0, group=self.group)
         checkpoint_id, tag, refusal = shared
         if refusal:  # checked before any rank writes: an existing checkpoint is never touched
             raise CheckpointSaveError(refusal)
-        if engine.rank == 0:
-            client_state = to_json_value(client_state, "client_state") if client_state is not None else None
-            scheduler = to_json_value(lr_scheduler.state_dict(), "lr_scheduler state") if lr_scheduler else None
-        else:
-            client_state = scheduler = None
-        local = collect(engine, snapshot=async_save, staging=self._staging)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)  # the pinned snapshot copies have landed
-        job = (root, tag, checkpoint_id, local, client_state, scheduler, keep_last)
+        try:
+            if engine.rank == 0:
+                client_state = to_json_value(client_state, "client_state") if client_state is not None else None
+                scheduler = to_json_value(lr_scheduler.state_dict(), "lr_scheduler state") if lr_scheduler else None
+            else:
+                client_state = scheduler = None
+            local = collect(engine, snapshot=async_save, staging=self._staging)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)  # the pinned snapshot copies have landed
+        except BaseException:
+            if claim is not None:  # this process lives on: its claim must not block the tag
+                claim.release()
+            raise
+        job = (root, tag, checkpoint_id, local, client_state, scheduler, keep_last, claim)
         if not async_save:
             self._run(*job)
             return root.url_of(tag)
@@ -110,7 +128,7 @@ class CheckpointSaver:
             self._error = exc
 
     def _run(self, root: Location, tag: str, checkpoint_id: str, local: LocalState, client_state: Any,
-             scheduler: Any, keep_last: int | None) -> None:
+             scheduler: Any, keep_last: int | None, claim: Claim | None) -> None:
         engine = self.engine
         world, rank = engine.world_size, engine.rank
         target = root.child(tag)
@@ -145,6 +163,9 @@ class CheckpointSaver:
                     _prune(root, keep_last, keep=tag)
             except Exception as exc:
                 outcome = str(exc) if isinstance(exc, ZeroshardError) else f"{target.url}: {type(exc).__name__}: {exc}"
+            finally:
+                if claim is not None:
+                    claim.release()
         shared = [outcome]
         dist.broadcast_object_list(shared, src=0, group=self.group)
         if shared[0] is not None:
@@ -171,6 +192,8 @@ def _prune(root: Location, keep_last: int, keep: str) -> None:
     committed = []
     for name in root.list():
         folder = root.child(name)
+        if root.is_link(name) or folder.is_link(MANIFEST_NAME):
+            continue  # a link leads out of the root: what it points at is never ours to delete
         if is_safe_file_name(name) and folder.exists(MANIFEST_NAME):
             try:
                 step = load_manifest(folder).step or 0

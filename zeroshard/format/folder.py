@@ -9,7 +9,7 @@ a `latest` file, which moves only after that commit.
 from __future__ import annotations
 
 from zeroshard.errors import CheckpointError, OutputExistsError
-from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, Manifest, is_rank_file_name, is_safe_file_name,
+from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, is_rank_file_name, is_safe_file_name,
                                        parse_manifest)
 from zeroshard.storage.location import TEMP_PREFIX, Location
 
@@ -18,11 +18,19 @@ def resolve_checkpoint(location: Location) -> Location:
     """The checkpoint folder a user path means: itself if it holds a manifest, else what its
     `latest` names. Errors say what was found instead."""
     if location.exists(MANIFEST_NAME):
+        _refuse_link(location, MANIFEST_NAME)
         return location
     if location.exists(LATEST_NAME):
-        name = location.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
+        _refuse_link(location, LATEST_NAME)
+        raw = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES + 1)
+        if len(raw) > MAX_LATEST_BYTES:
+            raise CheckpointError(location.url_of(LATEST_NAME), f"is over {MAX_LATEST_BYTES} bytes: not a checkpoint name "
+                                                                f"(starts {raw[:32]!r})")
+        name = raw.decode("utf-8", "replace").strip()
         if not is_safe_file_name(name):
-            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name!r}, which is not a folder inside {location.url}")
+            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name[:64]!r}{'...' if len(name) > 64 else ''}, "
+                                                                f"which is not a folder inside {location.url}")
+        _refuse_link(location, name)
         target = location.child(name)
         if not target.exists(MANIFEST_NAME):
             raise CheckpointError(target.url, f"named by {LATEST_NAME} but holds no {MANIFEST_NAME}")
@@ -36,9 +44,28 @@ def resolve_checkpoint(location: Location) -> Location:
     raise CheckpointError(location.url, f"not a zeroshard checkpoint: neither {MANIFEST_NAME} nor {LATEST_NAME} found")
 
 
+MAX_LATEST_BYTES = 4096  # a folder name and a newline; anything longer is not a `latest` file
+
+
+def _refuse_link(location: Location, name: str) -> None:
+    """Links are never followed out of a checkpoint or root: what they point at is not ours."""
+    if location.is_link(name):
+        raise CheckpointError(location.url_of(name), "is a symbolic link; zeroshard does not follow links inside a "
+                                                     "checkpoint or root (point at the real path instead)")
+
+
+def read_manifest_bytes(location: Location) -> bytes:
+    """The manifest's bytes; one over MAX_MANIFEST_BYTES is refused before it is read."""
+    size = location.size(MANIFEST_NAME)
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(location.url_of(MANIFEST_NAME), f"manifest of {size} bytes is over the "
+                                                              f"{MAX_MANIFEST_BYTES} byte limit")
+    return location.read_bytes(MANIFEST_NAME)
+
+
 def load_manifest(location: Location) -> Manifest:
     """Parse and validate the manifest of a (resolved) checkpoint folder."""
-    return parse_manifest(location.read_bytes(MANIFEST_NAME), location.url_of(MANIFEST_NAME))
+    return parse_manifest(read_manifest_bytes(location), location.url_of(MANIFEST_NAME))
 
 
 def open_checkpoint(url_or_location: str | Location, storage_options: dict | None = None) -> tuple[Location, Manifest]:
@@ -53,7 +80,9 @@ def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
 
     An existing, non-empty folder is refused unless `overwrite`. When overwriting, the old
     manifest goes first, so the folder never looks like a complete checkpoint while it is
-    being rewritten; stale rank files are removed after the new manifest lands.
+    being rewritten; stale rank files are removed after the new manifest lands. (This loses the
+    old checkpoint if the new write fails: the toolkit uses format.output.prepare_output,
+    which keeps it until the new one commits.)
     """
     existing = location.list() if location.exists() else []
     if existing and not overwrite:

@@ -55,7 +55,7 @@ def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Loca
 
 def _file_tensors(folder: Location, name: str) -> list[SourceTensor]:
     size = folder.size(name)
-    with folder.open_reader(name) as reader:
+    with folder.open_reader(name, follow_links=True) as reader:  # HF caches link into a blob store
         header = read_header(reader, size)
     entries = sorted(header.entries.items(), key=lambda kv: kv[1].begin)
     return [SourceTensor(n, e.dtype, e.shape, name, e.begin, e.end) for n, e in entries]

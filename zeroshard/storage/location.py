@@ -22,6 +22,7 @@ from typing import Any, Iterator, Mapping
 import fsspec
 
 from zeroshard.errors import StorageError
+from zeroshard.storage.owner import owner_tag
 
 TEMP_PREFIX = ".zeroshard-tmp-"
 
@@ -126,12 +127,19 @@ class Location:
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     # ---- reading ------------------------------------------------------------------------
+    def is_link(self, name: str = "") -> bool:
+        """Whether `name` is a symbolic link (locally; object stores have none)."""
+        return self.local and os.path.islink(self._full(name))
+
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         with storage_errors(self.url_of(name)):
             return self.fs.cat_file(self._full(name), start=start, end=end)
 
-    def open_reader(self, name: str) -> "RangeReader":
-        return RangeReader(self, name)
+    def open_reader(self, name: str, follow_links: bool = False) -> "RangeReader":
+        """Ranged reads of `name`. A symbolic link is refused unless follow_links: files of a
+        checkpoint are its own, never a link to bytes elsewhere (full models from HF's cache,
+        which are links into its blob store, pass follow_links=True)."""
+        return RangeReader(self, name, follow_links)
 
     # ---- writing ------------------------------------------------------------------------
     def makedirs(self) -> None:
@@ -169,6 +177,41 @@ class Location:
         with self.atomic_writer(name) as out:
             out.write(data)
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create `name` holding `data` only if it does not exist; False if it does. Atomic:
+        O_CREAT|O_EXCL locally, a conditional PUT (If-None-Match: *) on S3."""
+        path = self._full(name)
+        with storage_errors(self.url_of(name)):
+            if not self.local:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except FileExistsError:
+                    return False
+                return True
+            self.makedirs()
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(self.path)
+            return True
+
+    def move_into(self, name: str, dest: "Location") -> None:
+        """Move file `name` from this folder to the same name in `dest` (same filesystem):
+        an atomic rename locally; a server-side copy then delete on S3 (no data through us)."""
+        with storage_errors(self.url_of(name)):
+            if self.local:
+                dest.makedirs()
+                os.replace(self._full(name), dest._full(name))
+            else:
+                self.fs.copy(self._full(name), dest._full(name))
+                self.fs.rm(self._full(name))
+
     def remove(self, name: str, recursive: bool = False) -> None:
         with storage_errors(self.url_of(name)):
             path = self._full(name)
@@ -190,15 +233,19 @@ class RangeReader:
     so resident memory stays at the few chunks in use, whatever the file size.
     """
 
-    def __init__(self, location: Location, name: str):
+    def __init__(self, location: Location, name: str, follow_links: bool = False):
         self.where = location.url_of(name)
         self._location, self._name = location, name
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._size = 0
         if location.local:
+            if not follow_links and os.path.islink(location._full(name)):
+                raise StorageError(self.where, "is a symbolic link; zeroshard reads a checkpoint's own files only, "
+                                               "never a link to bytes elsewhere")
             with storage_errors(self.where):
-                self._fd = os.open(location._full(name), os.O_RDONLY)
+                flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)  # no swap for a link after the check
+                self._fd = os.open(location._full(name), flags)
                 self._size = os.fstat(self._fd).st_size
 
     def view(self, offset: int, length: int) -> memoryview | None:
@@ -293,7 +340,8 @@ class AtomicWriter:
         with storage_errors(self.where):
             if loc.local:
                 loc.makedirs()
-                self._temp = loc._full(f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{self._name}")
+                # the owner tag lets a later run tell a dead writer's leftover from a live one's
+                self._temp = loc._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
                 self._file = open(self._temp, "wb", buffering=0)
             else:
                 self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)

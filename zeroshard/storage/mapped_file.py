@@ -22,6 +22,7 @@ import uuid
 
 from zeroshard.errors import StorageError
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
+from zeroshard.storage.owner import owner_tag
 
 RELEASE_EVERY_BYTES = 64 * 1024 * 1024
 
@@ -43,7 +44,7 @@ class MappedOutput:
     def create(cls, location: Location, name: str, size: int) -> "MappedOutput":
         """A new temp file of `size` bytes, allocated on disk, beside `name` in `location`."""
         location.makedirs()
-        temp = location._full(f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}")
+        temp = location._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}")  # leftovers: owner known
         out = cls(location, name, temp, size)
         with storage_errors(out.where):
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)

@@ -115,12 +115,38 @@ def build_header_bytes(tensors: list[tuple[str, str, tuple[int, ...]]],
     return struct.pack("<Q", len(text)) + text, relative
 
 
+MAX_DIMS = 64  # far beyond any real tensor; bounds the work a hostile shape can ask for
+
+
+def _quote(name: str) -> str:
+    """A tensor name for a one-line message: at most 80 characters of it."""
+    return repr(name[:80]) + ("..." if len(name) > 80 else "")
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """json's default keeps the last of two equal keys silently; a header must not be ambiguous."""
+    table: dict[str, object] = {}
+    for key, value in pairs:
+        if key in table:
+            raise _DuplicateKey(key)
+        table[key] = value
+    return table
+
+
 def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header:
     """Validate and parse header JSON bytes (without the 8-byte prefix)."""
     try:
-        table = json.loads(raw)
+        table = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(where, f"safetensors header names {_quote(exc.args[0])} twice (which one is the tensor?)") from None
+    except RecursionError:
+        raise CheckpointError(where, "safetensors header is nested absurdly deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(where, f"safetensors header is not valid JSON ({exc})") from None
+        raise CheckpointError(where, f"safetensors header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(table, dict):
         raise CheckpointError(where, "safetensors header is not a JSON object")
     data_start = 8 + len(raw)
@@ -137,19 +163,20 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
                 if type(d) is not int or d < 0:
                     raise ValueError
                 numel *= d
-            ok = dtype in sizes and type(begin) is int and type(end) is int and 0 <= begin <= end
+            ok = dtype in sizes and len(shape) <= MAX_DIMS and type(begin) is int and type(end) is int
+            ok = ok and 0 <= begin <= end
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise CheckpointError(where, f"safetensors header entry {str(name)[:80]!r} is malformed")
+            raise CheckpointError(where, f"safetensors header entry {_quote(name)} is malformed (dtype, shape, data_offsets)")
         if end - begin != numel * sizes[dtype]:
-            raise CheckpointError(where, f"tensor {str(name)[:80]!r}: byte range does not match its dtype and shape")
+            raise CheckpointError(where, f"tensor {_quote(name)}: byte range does not match its dtype and shape")
         entries[name] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
     # Tensors must tile the data section: no overlaps, no gaps (what safetensors itself checks).
     cursor = data_start
     for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if entry.begin != cursor:
-            raise CheckpointError(where, f"tensor {name!r} does not start where the previous one ends")
+            raise CheckpointError(where, f"tensor {_quote(name)} does not start where the previous one ends (overlap or gap)")
         cursor = entry.end
     if file_size is not None and cursor != file_size:
         problem = "truncated" if file_size < cursor else "longer than its header says"

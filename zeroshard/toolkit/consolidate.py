@@ -13,9 +13,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from zeroshard.errors import OutputExistsError, ZeroshardError
+from zeroshard.errors import ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
@@ -65,6 +66,7 @@ def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[Output
     return shards
 
 
+@output_transaction
 def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
                 workers: int | None = 1) -> list[str]:
@@ -73,14 +75,14 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
     folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size)
-    prepare_output(folder, names, single_file, overwrite)
+    output = prepare(folder, names, single_file, overwrite, [Location(ckpt, storage_options), source])
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
         write = _write_rank_major if folder.local else _write_streaming
-        write(source, manifest, folder, names, shards, bar.update, workers)
-    if not single_file:
-        finish_folder(folder, names, shards, total)
+        write(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
+    if output is not None:
+        finish_folder(output, names, shards, total)
     return [folder.url_of(name) for name in names]
 
 
@@ -116,15 +118,14 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
 
 
-def prepare_output(folder: Location, names: list[str], single_file: bool, overwrite: bool) -> None:
-    """Refuse an existing output unless `overwrite`; an old HF index goes before files are rewritten."""
+def prepare(folder: Location, names: list[str], single_file: bool, overwrite: bool,
+            inputs: list[Location]) -> PreparedOutput | None:
+    """Identity, claim and stage for the output (docs/SAFETY.md). A single file is replaced
+    atomically (the old one stays until the new one is complete): no stage, None."""
     if single_file:
-        if folder.exists(names[0]) and not overwrite:
-            raise OutputExistsError(folder.url_of(names[0]))
-        return
-    if folder.exists() and folder.list() and not overwrite:
-        raise OutputExistsError(folder.url)
-    folder.remove(HF_INDEX_NAME)  # an old index must not vouch for half-rewritten files
+        prepare_file_output(folder, names[0], overwrite, inputs)
+        return None
+    return prepare_output(folder, overwrite, inputs)
 
 
 def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
@@ -172,13 +173,11 @@ def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     return chunk if src == dst else cast_bytes(chunk, src, dst)
 
 
-def finish_folder(folder: Location, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
-    """Write HF's index (last: it vouches for the files) and remove files of an older export."""
+def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
+    """Commit HF's layout: the index last (it vouches for the files); files of an older export removed."""
+    index = None
     if len(names) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        folder.write_bytes(HF_INDEX_NAME, json.dumps(index, indent=2).encode())
-    stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-    for existing in folder.list():
-        if stale.match(existing) and existing not in names:
-            folder.remove(existing)
+        index = (HF_INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+    stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+    output.commit(names, index, uncommit=[HF_INDEX_NAME], stale=lambda n: bool(stale.match(n)))

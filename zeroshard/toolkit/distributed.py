@@ -23,8 +23,8 @@ import uuid
 from typing import Any
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import (FileEntry, RankFileResult, build_manifest, commit_checkpoint, open_checkpoint,
-                              prepare_output_folder, update_latest)
+from zeroshard.format import FileEntry, RankFileResult, build_manifest, open_checkpoint, update_latest
+from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.toolkit.transfer import (FixedPlans, Job, RankFilePlans, Task, commit, discard, plan_output, run_transfer,
@@ -47,29 +47,35 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
     if not target.local:
         raise ZeroshardError(f"{target.url}: distributed reshard writes to a shared filesystem path")
 
+    prepared: list[PreparedOutput] = []  # process 0's: identity, claim, stage (docs/SAFETY.md)
+
     def prepare() -> Any:
-        if target.url.rstrip("/") in (source.url.rstrip("/"), given.url.rstrip("/")):
-            raise ZeroshardError(f"{target.url}: output must differ from the input checkpoint")
-        return prepare_output_folder(target, overwrite), uuid.uuid4().hex
+        prepared.append(prepare_output(target, overwrite, inputs=[given, source]))
+        return prepared[0].stage.url, uuid.uuid4().hex
 
-    previous, checkpoint_id = _on_rank0(prepare)
+    stage_url, checkpoint_id = _on_rank0(prepare)
     planner = RankFilePlans(specs, world_size, checkpoint_id)
-    job = Job(source.url, source.storage_options, manifest, target.url, planner)
+    job = Job(source.url, source.storage_options, manifest, stage_url, planner)
     mine = split_tasks(planner, manifest.world_size, procs * max(workers, 1))[rank::procs]
-    finished = _agree(lambda: _run_and_sync(job, mine, workers))
 
-    def finish() -> None:
+    def finish(finished: list[dict]) -> None:
         results = [RankFileResult(FileEntry(f.name, index, f.size, f.file_hash), f.fragment_hashes)
                    for part in finished for index, f in part.items()]
         extra = dict(manifest.extra, resharded_from={"world_size": manifest.world_size, "checkpoint_id": manifest.id})
         new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
                              dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                              client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-        commit_checkpoint(target, new, previous, sync_files=False)  # every process synced its own files
+        prepared[0].commit_checkpoint(new)  # every process synced its own files
         if as_root:
             update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
 
-    _on_rank0(finish)
+    try:
+        finished = _agree(lambda: _run_and_sync(job, mine, workers))
+        _on_rank0(lambda: finish(finished))
+    except BaseException:
+        if prepared and not prepared[0].done:
+            prepared[0].abandon()
+        raise
     return target.url
 
 
@@ -84,45 +90,49 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     source, manifest = open_checkpoint(ckpt, storage_options)
     folder, names, shards, total, single_file = single.plan(source, manifest, out, dtype=dtype,
                                                             max_shard_size=max_shard_size)
+    prepared: list[PreparedOutput | None] = []  # process 0's (None for a single file: replaced atomically)
     if not folder.local:
         raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False)
              for name, shard in zip(names, shards)]
 
-    def create() -> dict[int, str]:
-        single.prepare_output(folder, names, single_file, overwrite)
+    def create() -> tuple[str, dict[int, str]]:
+        prepared.append(single.prepare(folder, names, single_file, overwrite, [Location(ckpt, storage_options), source]))
+        stage = prepared[0].stage if prepared[0] else folder
         outputs = []
         try:
             for plan in plans:
-                outputs.append(MappedOutput.create(folder, plan.name, plan.size))
+                outputs.append(MappedOutput.create(stage, plan.name, plan.size))
                 outputs[-1].view[:len(plan.header)] = plan.header
                 outputs[-1].close()
         except BaseException:
             for output in outputs:
                 output.discard()
             raise
-        return {i: o.temp_path for i, o in enumerate(outputs)}
+        return stage.url, {i: o.temp_path for i, o in enumerate(outputs)}
 
-    temp_paths = _on_rank0(create)
-    job = Job(source.url, source.storage_options, manifest, folder.url, FixedPlans(plans), temp_paths)
+    stage_url, temp_paths = _on_rank0(create)
+    job = Job(source.url, source.storage_options, manifest, stage_url, FixedPlans(plans), temp_paths)
     tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size,
                                                                             procs * max(workers, 1))]
+
+    def finish() -> None:
+        stage = Location(stage_url, storage_options)
+        commit(stage, _finished_stubs(plans, temp_paths))
+        stage.fsync(names)
+        if prepared[0] is not None:
+            single.finish_folder(prepared[0], names, shards, total)
+
     try:
         _agree(lambda: _run_and_sync(job, tasks[rank::procs], workers))
+        _on_rank0(finish)
     except BaseException:
         if rank == 0:
             discard(_finished_stubs(plans, temp_paths))
+            if prepared and prepared[0] is not None and not prepared[0].done:
+                prepared[0].abandon()
         raise
-
-    def finish() -> None:
-        stubs = _finished_stubs(plans, temp_paths)
-        commit(folder, stubs)
-        folder.fsync(names)
-        if not single_file:
-            single.finish_folder(folder, names, shards, total)
-
-    _on_rank0(finish)
     return [folder.url_of(name) for name in names]
 
 

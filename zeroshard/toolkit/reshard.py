@@ -20,14 +20,13 @@ from zeroshard.format import (
     RankFileResult,
     TensorSpec,
     build_manifest,
-    commit_checkpoint,
     open_checkpoint,
-    prepare_output_folder,
     rank_contents,
     update_latest,
     write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, RankFilePlans, auto_workers, commit, discard, run_transfer, split_tasks
@@ -44,6 +43,7 @@ def default_output(ckpt_url: str, world_size: int) -> str:
     return f"{ckpt_url.rstrip('/')}-world{world_size}"
 
 
+@output_transaction
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
             storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> ReshardResult:
     """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out` (`workers=None`: auto_workers)."""
@@ -61,22 +61,20 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     dropped = [name for name, t in manifest.tensors.items() if not (keep_local or t.layout != "local")]
     out_root = Location(out or default_output(given.url, world_size), storage_options)
     target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
-    if target.url.rstrip("/") == source.url.rstrip("/") or out_root.url.rstrip("/") == given.url.rstrip("/"):
-        raise ZeroshardError(f"{target.url}: output must differ from the input checkpoint")
-    previous = prepare_output_folder(target, overwrite)
+    output = prepare_output(target, overwrite, inputs=[given, source])  # identity, claim, stage (docs/SAFETY.md)
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.nbytes for t in specs)
     if workers is None:
         workers = auto_workers(manifest.world_size + world_size, total)
     with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
-        write = _write_rank_major if target.local else _write_streaming
-        results = write(source, manifest, target, specs, world_size, checkpoint_id, bar.update, workers)
+        write = _write_rank_major if output.stage.local else _write_streaming
+        results = write(source, manifest, output.stage, specs, world_size, checkpoint_id, bar.update, workers)
     extra = dict(manifest.extra)
     extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}
     new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
                          dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                          client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-    commit_checkpoint(target, new, previous, sync_files=True)
+    output.commit_checkpoint(new, sync_files=True)
     if as_root:
         update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
     return ReshardResult(new, target, dropped)

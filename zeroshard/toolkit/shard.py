@@ -9,8 +9,9 @@ import uuid
 from contextlib import ExitStack
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder, rank_contents, write_rank_file
+from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
@@ -18,6 +19,7 @@ from zeroshard.format.full_model import SourceTensor, open_full_model, read_sour
 
 
 
+@output_transaction
 def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
           quiet: bool = True) -> Manifest:
     """Write the model at `src` as a `world_size`-rank checkpoint at `out`; returns its manifest."""
@@ -27,7 +29,7 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
     by_name = {t.name: t for t in tensors}
     specs = [TensorSpec(t.name, "param", t.dtype, t.shape, "flat" if t.shape else "whole") for t in tensors]
     target = Location(out, storage_options)
-    previous = prepare_output_folder(target, overwrite)
+    output = prepare_output(target, overwrite, inputs=[Location(src, storage_options)])  # docs/SAFETY.md
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.end - t.begin for t in tensors)
     with ExitStack() as stack:
@@ -36,7 +38,7 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
         def fill(spec: TensorSpec, start: int, end: int, write) -> None:
             source: SourceTensor = by_name[spec.name]
             if source.file not in readers:
-                readers[source.file] = stack.enter_context(folder.open_reader(source.file))
+                readers[source.file] = stack.enter_context(folder.open_reader(source.file, follow_links=True))
 
             def write_and_count(view: memoryview) -> None:
                 write(view)
@@ -45,11 +47,11 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
             read_source_range(readers[source.file], source, start, end, chunk_bytes_for(folder), write_and_count)
 
         with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
-            results = [write_rank_file(target, checkpoint_id, rank, world_size,
+            results = [write_rank_file(output.stage, checkpoint_id, rank, world_size,
                                        rank_contents(specs, world_size, rank), fill,
                                        durable=False, write_behind=True)
                        for rank in range(world_size)]
     manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
                               extra={"source": src})
-    commit_checkpoint(target, manifest, previous, sync_files=True)
+    output.commit_checkpoint(manifest, sync_files=True)
     return manifest

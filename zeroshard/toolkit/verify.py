@@ -3,27 +3,28 @@
 Checks, collecting every problem rather than stopping at the first: the manifest parses and is
 structurally sound (types, bounds, names, layouts); every rank file is present with the recorded
 size; each header agrees with the manifest (checkpoint id, rank, dtypes, shapes, the fragment
-hash table); the whole-file hash and every fragment hash match; no stray rank files.
-Each file is read once, front to back.
+hash table); the whole-file hash and every fragment hash match; no stray rank files; with a key,
+the signature (docs/SAFETY.md). Each file is read once, front to back, by one of `workers`
+processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import resolve_checkpoint
-from zeroshard.format.folder import load_manifest
-from zeroshard.format.manifest import HASH_TABLE_NAME, MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name
+from zeroshard.format.folder import read_manifest_bytes
+from zeroshard.format.manifest import HASH_TABLE_NAME, MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name, parse_manifest
 from zeroshard.format.reader import chunk_bytes_for, read_hash_table, read_rank_header
+from zeroshard.format.signature import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, check_signature
 from zeroshard.storage.hashing import SegmentHasher, hash_bytes
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import Header
 from zeroshard.toolkit.progress import byte_bar
-
-
 
 SMALL_FILE_BYTES = 16 * 1024 * 1024
 
@@ -35,23 +36,38 @@ class VerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
     tensors: int = 0
+    signed: bool = False  # a signature was checked and holds
+    manifest_bytes: bytes = field(default=b"", repr=False)  # exactly the bytes checked
+    sha256: dict[str, str] = field(default_factory=dict)  # per file, when asked for (signing)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> VerifyReport:
-    """Check everything; `workers` processes share the files (each read by one; None: auto_workers)."""
+def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True, key: bytes | None = None,
+           sha256: bool = False, workers: int | None = 1) -> VerifyReport:
+    """key: also check the signature (format.signature) made with it; sha256: also record each
+    file's SHA-256 (for signing). Every file is still read once, by one of `workers` processes
+    (None: zeroshard.toolkit.transfer.auto_workers)."""
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     location = resolve_checkpoint(Location(ckpt, storage_options))
     report = VerifyReport(location.url)
     try:
-        manifest = load_manifest(location)
-    except CheckpointError as exc:
+        report.manifest_bytes = read_manifest_bytes(location)
+        manifest = parse_manifest(report.manifest_bytes, location.url_of(MANIFEST_NAME))
+    except (CheckpointError, StorageError) as exc:
         report.problems.append(str(exc))
         return report
+    signed: dict[str, str] | None = None
+    if key is not None:
+        try:
+            signed = _signed_digests(location, key, report.manifest_bytes)
+        except (CheckpointError, StorageError) as exc:
+            report.problems.append(str(exc))
+            return report
+    sha256 = sha256 or signed is not None
     report.tensors = len(manifest.tensors)
     present = set(location.list())
     for name in sorted(present - {f.name for f in manifest.files}):
@@ -59,74 +75,105 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
             report.problems.append(f"{location.url_of(name)}: extra rank file not in {MANIFEST_NAME}")
     files = [f for f in manifest.files if f.name in present]
     report.problems.extend(f"{location.url_of(f.name)}: missing" for f in manifest.files if f.name not in present)
+    total = sum(f.size for f in files)
     if workers is None:
         from zeroshard.toolkit.transfer import auto_workers
 
-        workers = auto_workers(0, sum(f.size for f in files))  # by bytes: a small file costs less than a spawn
-    with byte_bar(sum(f.size for f in files), "verify", quiet) as bar:
+        workers = auto_workers(0, total)  # by bytes: a small file costs less than a spawn
+    with byte_bar(total, "verify", quiet) as bar:
         if workers == 1 or len(files) < 2:
-            outcomes = [check_files(location.url, location.storage_options, manifest, [f], bar.update) for f in files]
+            outcomes = [check_files(location.url, location.storage_options, manifest, [f], sha256, bar.update)
+                        for f in files]
         else:
             groups = [files[i::workers * 4] for i in range(min(len(files), workers * 4))]
             context = multiprocessing.get_context("spawn")  # no fork of a process with threads
             with ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = [pool.submit(check_files, location.url, location.storage_options, manifest, g) for g in groups]
+                futures = [pool.submit(check_files, location.url, location.storage_options, manifest, g, sha256)
+                           for g in groups]
                 outcomes = []
                 for future, group in zip(futures, groups):
                     outcomes.append(future.result())
                     bar.update(sum(f.size for f in group))
-    for problems, checked, nbytes in outcomes:
+    for problems, checked, nbytes, digests in outcomes:
         report.problems.extend(problems)
         report.files_checked += checked
         report.bytes_checked += nbytes
+        report.sha256.update(digests)
+    if signed is not None:
+        where = location.url_of(SIGNATURE_NAME)
+        if set(signed) != {f.name for f in manifest.files}:
+            report.problems.append(f"{where}: signs other files than the manifest lists")
+        for name, digest in report.sha256.items():
+            if signed.get(name) != digest:
+                report.problems.append(f"{location.url_of(name)}: SHA-256 differs from the signed one (changed after signing)")
+        report.signed = not report.problems
     return report
 
 
-def check_files(url: str, storage_options: dict, manifest: Manifest, files: list[FileEntry],
-                progress=None) -> tuple[list[str], int, int]:
-    """(problems, files checked, bytes checked) for some of a checkpoint's files."""
+def check_files(url: str, storage_options: dict, manifest: Manifest, files: list[FileEntry], sha256: bool = False,
+                progress=None) -> tuple[list[str], int, int, dict[str, str]]:
+    """(problems, files checked, bytes checked, SHA-256 by file when asked) for some files."""
     location = Location(url, storage_options)
     problems: list[str] = []
     checked = nbytes = 0
+    digests: dict[str, str] = {}
     for file in files:
         where = location.url_of(file.name)
         try:
-            problems.extend(f"{where}: {p}" for p in _check_file(location, manifest, file, progress))
+            found, digest = _check_file(location, manifest, file, progress, sha256)
+            problems.extend(f"{where}: {p}" for p in found)
+            if digest:
+                digests[file.name] = digest
             checked += 1
             nbytes += file.size
         except (CheckpointError, StorageError) as exc:
             problems.append(str(exc))
-    return problems, checked, nbytes
+    return problems, checked, nbytes, digests
 
 
-def _check_file(location: Location, manifest: Manifest, file: FileEntry, progress) -> list[str]:
+def _signed_digests(location: Location, key: bytes, manifest_bytes: bytes) -> dict[str, str]:
+    where = location.url_of(SIGNATURE_NAME)
+    if not location.exists(SIGNATURE_NAME):
+        raise CheckpointError(where, "missing: the checkpoint is not signed (zeroshard sign)")
+    if location.is_link(SIGNATURE_NAME):
+        raise CheckpointError(where, "is a symbolic link; a signature must be the checkpoint's own file")
+    raw = location.read_bytes(SIGNATURE_NAME, 0, MAX_SIGNATURE_BYTES + 1)
+    return check_signature(key, raw, manifest_bytes, where)
+
+
+def _check_file(location: Location, manifest: Manifest, file: FileEntry, progress,
+                sha256: bool) -> tuple[list[str], str]:
+    """Problems of one file, and its SHA-256 when asked for ('' otherwise or when unread)."""
     size = location.size(file.name)
     if size != file.size:
         problem = "truncated" if size < file.size else "longer than recorded"
-        return [f"file is {problem}: {size} bytes, manifest records {file.size}"]
+        return [f"file is {problem}: {size} bytes, manifest records {file.size}"], ""
     with location.open_reader(file.name) as reader:
         header, problems = read_rank_header(reader, file, manifest, size)
         if problems:
-            return problems
+            return problems, ""
         if manifest.legacy_hashes is None:
             expected = read_hash_table(reader, header)
         else:
             expected = {name: manifest.legacy_hashes[(name, file.rank)] for name in header.entries}
-        file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), progress)
+        strong = hashlib.sha256() if sha256 else None
+        file_hash, tensor_hashes = _hash_file(reader, header, size, chunk_bytes_for(location), progress, strong)
     if file_hash != file.hash:
         problems.append("content hash mismatch (file corrupt or modified)")
     for name, digest in tensor_hashes.items():
         if name != HASH_TABLE_NAME and expected.get(name) != digest:
             problems.append(f"tensor {name!r}: content hash mismatch")
-    return problems
+    return problems, strong.hexdigest() if strong is not None else ""
 
 
-def _hash_file(reader, header: Header, size: int, chunk: int, progress) -> tuple[str, dict[str, str]]:
+def _hash_file(reader, header: Header, size: int, chunk: int, progress, strong=None) -> tuple[str, dict[str, str]]:
     """Hash the whole file and each tensor's bytes in one sequential pass."""
     view = reader.view(0, size) if size <= SMALL_FILE_BYTES else None
     if view is not None:  # a small local file (the 1,000-rank case): one call per hash, no stream
         hashes = {n: hash_bytes(view[e.begin:e.end]) for n, e in header.entries.items()}
         whole = hash_bytes(view)
+        if strong is not None:
+            strong.update(view)
         del view
         if progress is not None:
             progress(size)
@@ -141,6 +188,8 @@ def _hash_file(reader, header: Header, size: int, chunk: int, progress) -> tuple
             view = buffer[:length]
             reader.read_into(offset, view)
         hasher.update(view)
+        if strong is not None:
+            strong.update(view)
         del view
         reader.release(offset, length)
         if progress is not None:

@@ -1,0 +1,99 @@
+"""One writer per output: a claim file created atomically before anything is written.
+
+Locally the claim is created with O_CREAT|O_EXCL; on S3 with a conditional PUT
+(If-None-Match: *), which S3 (since 2024) and moto honour: of two writers, exactly one creates
+it and the other is refused before it writes a byte. The claim names its owner (host id and
+pid) so that a claim left by a killed process on this host is taken over on the next run; a
+claim of another host is taken over only once older than STALE_CLAIM_S (`zeroshard clean
+--older-than` removes it sooner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from zeroshard.errors import StorageError
+from zeroshard.storage.location import Location
+from zeroshard.storage.owner import owner_alive, owner_tag
+
+CLAIM_NAME = ".zeroshard-claim"
+# A claim of another host (whose process we cannot see) is presumed dead after this long: no
+# single save or toolkit run holds an output for 6 hours, and a crashed job must not block a tag forever.
+STALE_CLAIM_S = 6 * 3600.0
+
+
+class ClaimError(StorageError):
+    """Another writer holds the output."""
+
+
+@dataclass
+class Claim:
+    location: Location
+    nonce: str
+
+    def release(self) -> None:
+        """Remove the claim if it is still ours (best effort: a failure here loses nothing)."""
+        with contextlib.suppress(Exception):
+            if read_claim(self.location).get("nonce") == self.nonce:
+                self.location.remove(CLAIM_NAME)
+
+
+def read_claim(location: Location) -> dict:
+    """The claim's content ({} when absent or unreadable)."""
+    try:
+        doc = json.loads(location.read_bytes(CLAIM_NAME, 0, 4096))
+    except Exception:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def take_claim(location: Location, what: str = "output") -> Claim:
+    """Claim `location` for this process, or raise ClaimError naming the holder."""
+    nonce = uuid.uuid4().hex
+    body = json.dumps({"owner": owner_tag(), "pid": os.getpid(), "time": time.time(), "nonce": nonce}).encode()
+    for _ in range(3):
+        if location.create_exclusive(CLAIM_NAME, body):
+            return Claim(location, nonce)
+        holder = read_claim(location)
+        if not holder and location.exists(CLAIM_NAME) and not location.is_link(CLAIM_NAME):
+            time.sleep(0.05)  # being written by its creator right now: look again
+            holder = read_claim(location)
+        age = time.time() - holder["time"] if isinstance(holder.get("time"), (int, float)) else 0.0
+        alive = owner_alive(str(holder.get("owner", "")))
+        if alive is False or (alive is None and age > STALE_CLAIM_S) or location.is_link(CLAIM_NAME):
+            _take_over(location, holder.get("nonce"))
+            continue
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder["time"])) if isinstance(holder.get("time"), (int, float)) else "?"
+        raise ClaimError(location.url_of(CLAIM_NAME),
+                         f"this {what} is being written by another zeroshard process (owner {holder.get('owner', '?')}, "
+                         f"since {since} UTC); wait for it, or if it is gone, remove this file (zeroshard clean)")
+    raise ClaimError(location.url_of(CLAIM_NAME), f"could not claim this {what}: other writers keep taking it")
+
+
+def _take_over(location: Location, stale_nonce: object) -> None:
+    """Remove a dead owner's claim, and only that one: locally the claim is first renamed aside,
+    so a live claim that replaced it meanwhile is put back untouched."""
+    if not location.local:
+        if read_claim(location).get("nonce") == stale_nonce:
+            location.remove(CLAIM_NAME)
+        return
+    path = os.path.join(location.path, CLAIM_NAME)
+    if os.path.islink(path):  # never ours: a link is removed itself, its target left alone
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    aside = f"{path}.stale-{uuid.uuid4().hex[:8]}"
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(path, aside)
+        moved = {}
+        with contextlib.suppress(Exception), open(aside, "rb") as f:
+            moved = json.loads(f.read(4096))
+        if isinstance(moved, dict) and moved.get("nonce") != stale_nonce:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)  # a live claim: restore it
+        os.unlink(aside)

@@ -1,0 +1,209 @@
+"""Leftovers of writers that died: hidden temp files and staging folders, claims, and (S3)
+pending multipart uploads. Found here, judged stale here, removed by `zeroshard clean` or by
+the next run into the same output.
+
+Stale means: its owner was a process of this host that is gone, or (owner unknown: another
+host, an S3 upload) it is older than the age given. A live writer's leftover is never stale.
+A staging folder that holds a complete new checkpoint whose swap into place was interrupted is
+never removed (see docs/SAFETY.md): it may be the only complete copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from zeroshard.storage.claim import CLAIM_NAME
+from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
+from zeroshard.storage.owner import owner_alive, owner_of_temp
+
+# Written into a staging folder just before its output swaps in (format.output): from then on
+# the stage may hold the only copy of part of the new output, and is never removed as stale.
+SWAP_MARKER = ".zeroshard-swapping"
+KEEP_REASON = "its swap into place was interrupted: it holds part of the new output; move its files up"
+
+
+@dataclass
+class Leftover:
+    url: str
+    kind: str  # "temp file", "staging folder", "claim", "multipart upload"
+    size: int
+    age_s: float | None
+    alive: bool | None  # its owner process: True/False on this host, None when unknown
+    remove: Callable[[], None] = field(repr=False)
+    keep: str = ""  # why it must stay whatever its age
+
+    def stale(self, older_than_s: float) -> bool:
+        if self.keep or self.alive:
+            return False
+        return self.alive is False or (self.age_s is not None and self.age_s >= older_than_s)
+
+
+def find_leftovers(location: Location, recursive: bool = True) -> list[Leftover]:
+    """Every leftover under `location` (only its direct children unless recursive)."""
+    with storage_errors(location.url):
+        if location.local:
+            return _find_local(location, location.path, recursive)
+        return _find_remote(location, recursive) + _find_uploads(location, recursive)
+
+
+def remove_leftovers_of_others(location: Location) -> None:
+    """For a writer that has just claimed `location`: remove the leftovers directly in it. The
+    claim shuts out every other zeroshard writer, so whatever is here belongs to a dead one;
+    only a live process of this host (an older zeroshard?) and an interrupted swap are spared."""
+    for leftover in find_leftovers(location, recursive=False):
+        if leftover.kind != "claim" and not leftover.keep and leftover.alive is not True:
+            leftover.remove()
+
+
+# ---- local ---------------------------------------------------------------------------------
+def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover]:
+    out: list[Leftover] = []
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    now = time.time()
+    for entry in entries:
+        url = location.url + "/" + os.path.relpath(entry.path, location.path).replace(os.sep, "/")
+        st = entry.stat(follow_symlinks=False)
+        if entry.name.startswith(TEMP_PREFIX):
+            alive = owner_alive(owner_of_temp(entry.name, TEMP_PREFIX))
+            if entry.is_dir(follow_symlinks=False):
+                size, newest = _tree_size_and_mtime(entry.path)
+                out.append(Leftover(url, "staging folder", size, now - max(newest, st.st_mtime), alive,
+                                    _rmtree(entry.path), _keep_reason(entry.path, os.path.dirname(entry.path))))
+            else:
+                out.append(Leftover(url, "temp file", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
+        elif entry.name == CLAIM_NAME or entry.name.startswith(CLAIM_NAME + ".stale-"):
+            owner = "" if entry.is_symlink() else _claim_owner(entry.path)
+            alive = False if entry.name != CLAIM_NAME else owner_alive(owner)
+            out.append(Leftover(url, "claim", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
+        elif recursive and entry.is_dir(follow_symlinks=False):  # never into a link: it leads elsewhere
+            out.extend(_find_local(location, entry.path, recursive))
+    return out
+
+
+def _tree_size_and_mtime(path: str) -> tuple[int, float]:
+    size, newest = 0, 0.0
+    for folder, _, files in os.walk(path):  # os.walk does not follow links by default
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            size += st.st_size
+            newest = max(newest, st.st_mtime)
+    return size, newest
+
+
+def _keep_reason(stage: str, target: str) -> str:
+    return KEEP_REASON if os.path.exists(os.path.join(stage, SWAP_MARKER)) else ""
+
+
+def _claim_owner(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(4096))
+        return str(doc.get("owner", "")) if isinstance(doc, dict) else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def _unlink(path: str) -> Callable[[], None]:
+    def remove() -> None:
+        with storage_errors(path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return remove
+
+
+def _rmtree(path: str) -> Callable[[], None]:
+    def remove() -> None:
+        import shutil
+
+        with storage_errors(path):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # rmtree never follows links inside the tree
+    return remove
+
+
+# ---- object stores ---------------------------------------------------------------------------
+def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
+    fs, root = location.fs, location.path.rstrip("/")
+    try:
+        found = fs.find(root, detail=True, withdirs=False, maxdepth=None if recursive else 2)
+    except FileNotFoundError:
+        return []
+    now = time.time()
+    groups: dict[str, list[dict]] = {}
+    out: list[Leftover] = []
+    for key, info in found.items():
+        parts = key[len(root):].strip("/").split("/")
+        hit = next((i for i, p in enumerate(parts) if p.startswith(TEMP_PREFIX)), None)
+        if hit is not None and (recursive or hit == 0):
+            groups.setdefault("/".join(parts[:hit + 1]), []).append(info)
+        elif parts[-1] == CLAIM_NAME and (recursive or len(parts) == 1):
+            owner = ""
+            try:
+                doc = json.loads(fs.cat_file(key, start=0, end=4096))
+                owner = str(doc.get("owner", "")) if isinstance(doc, dict) else ""
+            except Exception:
+                pass
+            out.append(Leftover(f"{location.url}/{'/'.join(parts)}", "claim", int(info.get("size") or 0),
+                                _age(info, now), owner_alive(owner), _rm(fs, key)))
+    for rel, infos in groups.items():
+        name = rel.rsplit("/", 1)[-1]
+        full = f"{root}/{rel}"
+        is_folder = any(i["name"].rstrip("/") != full for i in infos)
+        ages = [a for a in (_age(i, now) for i in infos) if a is not None]
+        keep = KEEP_REASON if is_folder and any(i["name"].endswith("/" + SWAP_MARKER) for i in infos) else ""
+        out.append(Leftover(f"{location.url}/{rel}", "staging folder" if is_folder else "temp file",
+                            sum(int(i.get("size") or 0) for i in infos), min(ages) if ages else None,
+                            owner_alive(owner_of_temp(name, TEMP_PREFIX)), _rm(fs, full, recursive=is_folder), keep))
+    return out
+
+
+def _find_uploads(location: Location, recursive: bool) -> list[Leftover]:
+    """Pending multipart uploads under the prefix (s3 only): never completed, never visible,
+    but stored and billed until aborted."""
+    fs = location.fs
+    if not hasattr(fs, "call_s3"):
+        return []
+    bucket, _, prefix = location.path.strip("/").partition("/")
+    prefix = f"{prefix}/" if prefix else ""
+    out: list[Leftover] = []
+    now = time.time()
+    kwargs = {"Bucket": bucket, "Prefix": prefix}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", **kwargs)
+        for upload in page.get("Uploads", []):
+            key = upload["Key"]
+            rest = key[len(prefix):]
+            if not recursive and "/" in rest and not rest.startswith(TEMP_PREFIX):
+                continue  # deeper, and not inside one of this folder's stages
+            initiated = upload.get("Initiated")
+            age = now - initiated.timestamp() if hasattr(initiated, "timestamp") else None
+
+            def abort(key: str = key, upload_id: str = upload["UploadId"]) -> None:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+
+            out.append(Leftover(f"s3://{bucket}/{key} (upload {upload['UploadId'][:12]})", "multipart upload",
+                                0, age, None, abort))
+        if not page.get("IsTruncated"):
+            return out
+        kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
+
+
+def _age(info: dict, now: float) -> float | None:
+    modified = info.get("LastModified") or info.get("mtime")
+    return now - modified.timestamp() if hasattr(modified, "timestamp") else None
+
+
+def _rm(fs, path: str, recursive: bool = False) -> Callable[[], None]:
+    def remove() -> None:
+        with storage_errors(path):
+            fs.rm(path, recursive=recursive)
+    return remove
