@@ -134,3 +134,33 @@ def test_distributed_failure_commits_nothing(tmp_path):
     assert result.returncode != 0
     assert "rank-00003-of-00004.safetensors" in result.stderr and "hash mismatch" in result.stderr
     assert not (tmp_path / "r" / "zeroshard.json").exists() and not leftovers(tmp_path)
+
+
+def test_resident_memory_stays_at_a_window_whatever_the_outputs(tmp_path):
+    """Pages of inputs and of every output are dropped as a process-wide budget fills: a reshard
+    into 16 outputs stays near one budget, not near the data size (here 4 MiB, windows of 1 MiB)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import save_file as save_numpy
+
+    save_numpy({f"w{i}": np.random.default_rng(i).standard_normal(2_000_000, dtype=np.float32) for i in range(8)},
+               str(tmp_path / "m.safetensors"))  # 64 MB
+    shard(str(tmp_path / "m.safetensors"), str(tmp_path / "w2"), 2)
+    script = (
+        "import resource, sys\n"
+        "import zeroshard.storage.mapped_file as m, zeroshard.toolkit.transfer as t\n"
+        "m.RELEASE_EVERY_BYTES, t.WINDOW_BYTES = 4 << 20, 1 << 20\n"
+        "from zeroshard.toolkit.reshard import reshard\n"
+        "from zeroshard.toolkit.consolidate import consolidate\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "reshard(sys.argv[1], 16, sys.argv[2])\n"
+        "consolidate(sys.argv[2], sys.argv[3])\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w2"), str(tmp_path / "w16"),
+                             str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    grown_mib = int(result.stdout.split()[-1])
+    assert grown_mib < 24, f"peak RSS grew by {grown_mib} MiB for 64 MB of data"
+    assert load_file(tmp_path / "o.safetensors")["w3"].numel() == 2_000_000

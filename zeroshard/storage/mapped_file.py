@@ -25,6 +25,8 @@ from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_tag
 
 RELEASE_EVERY_BYTES = 64 * 1024 * 1024
+_touched: set["MappedOutput"] = set()  # outputs with pages mapped in since the last release
+_touched_bytes = 0
 
 
 class MappedOutput:
@@ -37,7 +39,6 @@ class MappedOutput:
         self.where = location.url_of(name)
         self._map: mmap.mmap | None = None
         self.view = memoryview(b"")
-        self._dirty = 0
         self._fd: int | None = None  # opened on the first pwrite
 
     @classmethod
@@ -88,21 +89,27 @@ class MappedOutput:
                 data, offset = data[written:], offset + written
 
     def wrote(self, nbytes: int) -> None:
-        """Account for bytes just written; past a threshold, drop this process's mapped pages."""
-        self._dirty += nbytes
-        if self._dirty >= RELEASE_EVERY_BYTES:
-            self.release()
+        """Account for bytes just written (or read) through the map. The budget is this process's,
+        across all its outputs: past RELEASE_EVERY_BYTES, every output drops its mapped pages."""
+        global _touched_bytes
+        _touched.add(self)
+        _touched_bytes += nbytes
+        if _touched_bytes >= RELEASE_EVERY_BYTES:
+            for out in list(_touched):
+                out.release()
+            _touched.clear()
+            _touched_bytes = 0
 
     def release(self) -> None:
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)  # shared file pages stay in the page cache, dirty
-        self._dirty = 0
 
     def close(self) -> None:
         """Unmap (the data stays in the file); the temp file stays for commit() or discard()."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        _touched.discard(self)
         self.view.release()
         self.view = memoryview(b"")
         if self._map is not None:
