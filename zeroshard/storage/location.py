@@ -295,6 +295,10 @@ class AtomicWriter:
     the next chunk while this one is written: a copy loop then costs about max(read, write)
     rather than their sum. At most one write is in flight: the caller must leave the data of a
     write() unchanged until its next write() returns (two alternating buffers suffice).
+
+    On S3 the bytes go up as a multipart upload whose parts upload concurrently (multipart.py,
+    `zeroshard_part_size` x `zeroshard_uploads_in_flight`); a write returns once its bytes are
+    copied into the part being filled, and waits only while that many parts are uploading.
     """
 
     def __init__(self, location: Location, name: str, durable: bool = True, write_behind: bool = False):

@@ -27,12 +27,12 @@ S3_MAX_PARTS = 10_000
 class RemoteIO:
     """How much a remote file is read and written concurrently.
 
-    Memory: a sequential reader holds at most `read_ahead` blocks (read_ahead x block_bytes,
-    128 MiB by default, shared by all the files read through one Location); an upload holds its
-    filling part plus `uploads_in_flight` parts.
+    Memory: blocks fetched ahead of the reads asked for are at most `read_ahead` (64 MiB by
+    default) across all the files read through one Location, and one read holds at most
+    `read_ahead` blocks of its own; an upload holds its filling part plus `uploads_in_flight` parts.
     """
 
-    block_bytes: int = 16 * MiB  # size of one ranged GET
+    block_bytes: int = 8 * MiB  # one ranged GET (AWS advises ranges of 8 or 16 MB)
     read_ahead: int = 8  # GETs in flight for one reader (and blocks held ahead, across its Location)
     part_bytes: int = 16 * MiB  # size of one multipart-upload part (doubles every 2,000 parts)
     uploads_in_flight: int = 8  # parts uploading at once for one object
