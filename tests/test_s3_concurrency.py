@@ -264,3 +264,44 @@ def test_storage_options():
         split_options({"zeroshard_readahead": 4})
     with pytest.raises(ZeroshardError, match="byte count"):
         split_options({"zeroshard_block_size": "lots"})
+
+
+def test_read_ahead_across_files_shares_one_budget(s3_bucket, s3_client):
+    """Files read in turn (as consolidate reads every rank) hold no more blocks ahead, together,
+    than one reader may."""
+    location = remote(s3_bucket)
+    bodies = {f"f{i}": random.Random(i).randbytes(6 * BLOCK) for i in range(3)}
+    for key, body in bodies.items():
+        s3_client.put_object(Bucket=s3_bucket[5:], Key=key, Body=body)
+    readers = {key: location.open_reader(key) for key in bodies}
+    most = 0
+    try:
+        for start in range(0, 6 * BLOCK, BLOCK // 2):
+            for key, reader in readers.items():
+                assert reader.read(start, BLOCK // 2) == bodies[key][start:start + BLOCK // 2]
+                most = max(most, location.read_budget.held)
+                assert location.read_budget.held <= DEPTH
+        assert most > 0  # blocks were fetched ahead
+    finally:
+        for reader in readers.values():
+            reader.close()
+    assert location.read_budget.held == 0
+
+
+def test_a_filesystem_without_async_reads_through_the_thread_pool():
+    """Any remote fsspec filesystem gets the same reads (here fsspec's in-memory one)."""
+    import uuid
+
+    location = Location(f"memory://zs-{uuid.uuid4().hex[:8]}", {"zeroshard_block_size": BLOCK})
+    data = random.Random(5).randbytes(3 * BLOCK + 99)
+    location.fs.pipe_file(location._full("m.bin"), data)
+    assert not location.local and not getattr(location.fs, "async_impl", False)
+    with location.open_reader("m.bin") as reader:
+        assert reader.read(0, 10) == data[:10]
+        pos = 10
+        while pos < len(data):
+            n = min(BLOCK // 3, len(data) - pos)
+            assert reader.read(pos, n) == data[pos:pos + n]
+            pos += n
+        assert reader.read(BLOCK - 5, 2 * BLOCK) == data[BLOCK - 5:3 * BLOCK - 5]
+    assert list(read_ranges(location, [("m.bin", 5, 2 * BLOCK), ("m.bin", 0, 3)])) == [data[5:5 + 2 * BLOCK], data[:3]]
