@@ -27,7 +27,7 @@ def proxy(s3_endpoint, monkeypatch):
 
 
 def via(proxy: FaultProxy) -> list[str]:
-    return ["-S", f"endpoint_url={proxy.url}", "-S", "skip_instance_cache=true",
+    return ["-S", f"endpoint_url={proxy.url}", "-S", "skip_instance_cache=true", "-S", "zeroshard_part_size=5MiB",
             "-S", 'config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}}']
 
 
@@ -44,8 +44,15 @@ def pending(client, bucket: str) -> list[str]:
 
 @pytest.fixture
 def old_output(tmp_path, s3_bucket, s3_client):
-    """A local checkpoint and its earlier reshard on S3 (the output we must not lose)."""
+    """A local checkpoint and its earlier reshard on S3 (the output we must not lose). Rank files
+    of ~8 MB, so that an upload (5 MiB parts, see via) is a real multipart upload."""
+    import torch
+
+    from zeroshard.format.writer import TensorSpec
+
     specs, data = training_state()
+    specs.append(TensorSpec("big.weight", "param", "F32", (6_000_000,)))
+    data["big.weight"] = torch.arange(6_000_000, dtype=torch.float32)
     write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3)
     out = f"{s3_bucket}/out"
     result = CliRunner().invoke(main, ["reshard", "-q", str(tmp_path / "ckpt"), "--to", "2", "-o", out])
@@ -122,7 +129,8 @@ def test_failing_commit_keeps_the_new_output_recoverable(proxy, old_output, s3_c
     """The fault hits after the swap began (the old manifest is gone): the new output is then
     whole across the stage and the folder, clean keeps the stage, and moving it up recovers."""
     ckpt, out, bucket, before = old_output
-    proxy.rule = lambda m, p, q: ("status", 500) if m == "POST" and p.endswith("/out/zeroshard.json") else None
+    # the manifest's upload fails: its single PUT (small) or its multipart completion (POST)
+    proxy.rule = lambda m, p, q: ("status", 500) if m in ("PUT", "POST") and p.endswith("/out/zeroshard.json") else None
     result = CliRunner().invoke(main, ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out, *via(proxy)])
     one_line_failure(result, "out/zeroshard.json")
     keys = objects(s3_client, bucket, "out/")

@@ -135,9 +135,9 @@ class CheckpointReader:
         """Rank `rank`'s file, opened and its header checked against the manifest (once)."""
         if rank not in self._open:
             file = self.manifest.file_for_rank(rank)
-            reader = self.location.open_reader(file.name)
+            size = self.location.size(file.name)
+            reader = self.location.open_reader(file.name, size=size)
             try:
-                size = self.location.size(file.name)
                 if size != file.size:
                     problem = "truncated" if size < file.size else "longer than recorded"
                     raise CheckpointError(reader.where, f"file is {problem}: {size} bytes, manifest records {file.size}")

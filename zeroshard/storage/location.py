@@ -7,6 +7,9 @@ into a StorageError that names the URL.
 Atomic writes: locally a file is written under a temp name in the same folder, fsynced, and
 renamed into place; on S3 a multipart upload is completed only on success and aborted on
 failure, so an object never appears half-written.
+
+Remote reads and S3 writes run several requests at once (read_ahead.py, multipart.py), sized by
+the `zeroshard_*` storage options (remote_io.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from typing import Any, Iterator, Mapping
 import fsspec
 
 from zeroshard.errors import StorageError
+from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3
 from zeroshard.storage.owner import owner_tag
+from zeroshard.storage.read_ahead import BlockReader
+from zeroshard.storage.remote_io import BlockBudget, split_options
 
 TEMP_PREFIX = ".zeroshard-tmp-"
 
@@ -36,7 +42,8 @@ def _boto_errors() -> tuple[type[BaseException], ...]:
         return ()
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """One line saying what went wrong, for a StorageError."""
     if isinstance(exc, FileNotFoundError):
         return "not found"
     if isinstance(exc, PermissionError):
@@ -57,7 +64,7 @@ def storage_errors(where: str) -> Iterator[None]:
     except StorageError:
         raise
     except (OSError, *_boto_errors()) as exc:
-        raise StorageError(where, _describe(exc)) from exc
+        raise StorageError(where, describe_error(exc)) from exc
 
 
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -86,9 +93,11 @@ class Location:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
+        self.remote_io, fs_options = split_options(self.storage_options)
         with storage_errors(url):
-            self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
         self.local = "file" in _protocols(self.fs)
+        self.read_budget = BlockBudget(self.remote_io.read_ahead)  # read-ahead held, across this folder's readers
 
     # ---- naming -------------------------------------------------------------------------
     def url_of(self, name: str = "") -> str:
@@ -101,6 +110,7 @@ class Location:
     def child(self, name: str) -> "Location":
         loc = Location.__new__(Location)
         loc.url, loc.storage_options, loc.fs, loc.local = self.url_of(name), self.storage_options, self.fs, self.local
+        loc.remote_io, loc.read_budget = self.remote_io, self.read_budget
         loc.path = self._full(name)
         return loc
 
@@ -135,11 +145,12 @@ class Location:
         with storage_errors(self.url_of(name)):
             return self.fs.cat_file(self._full(name), start=start, end=end)
 
-    def open_reader(self, name: str, follow_links: bool = False) -> "RangeReader":
+    def open_reader(self, name: str, follow_links: bool = False, size: int | None = None) -> "RangeReader":
         """Ranged reads of `name`. A symbolic link is refused unless follow_links: files of a
         checkpoint are its own, never a link to bytes elsewhere (full models from HF's cache,
-        which are links into its blob store, pass follow_links=True)."""
-        return RangeReader(self, name, follow_links)
+        which are links into its blob store, pass follow_links=True). `size`, when known, saves
+        remote read-ahead asking for it."""
+        return RangeReader(self, name, follow_links, size)
 
     # ---- writing ------------------------------------------------------------------------
     def makedirs(self) -> None:
@@ -227,18 +238,23 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 class RangeReader:
     """Ranged reads of one file: os.pread locally (no buffering), GET ranges on S3.
 
+    Remotely, reads go through a BlockReader (read_ahead.py): large reads become concurrent
+    block GETs, and reads in order fetch the next blocks ahead, at most `zeroshard_read_ahead`
+    GETs in flight. close() cancels what is still in flight.
+
     Locally, `view()` also lends read-only zero-copy views of the file (a memory map of the page
     cache): a copy loop that writes those views straight out does one copy instead of two, as
     `cp` does. `release()` drops a lent range from this process's mapping when it is done with,
     so resident memory stays at the few chunks in use, whatever the file size.
     """
 
-    def __init__(self, location: Location, name: str, follow_links: bool = False):
+    def __init__(self, location: Location, name: str, follow_links: bool = False, size: int | None = None):
         self.where = location.url_of(name)
         self._location, self._name = location, name
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._size = 0
+        self._remote: BlockReader | None = None
         if location.local:
             if not follow_links and os.path.islink(location._full(name)):
                 raise StorageError(self.where, "is a symbolic link; zeroshard reads a checkpoint's own files only, "
@@ -247,6 +263,8 @@ class RangeReader:
                 flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)  # no swap for a link after the check
                 self._fd = os.open(location._full(name), flags)
                 self._size = os.fstat(self._fd).st_size
+        else:
+            self._remote = BlockReader(location, name, location.remote_io, location.read_budget, size)
 
     def view(self, offset: int, length: int) -> memoryview | None:
         """Bytes [offset, offset + length) without copying, or None where that is not possible
@@ -287,9 +305,7 @@ class RangeReader:
                         break
                     got += n
         else:
-            data = self._location.read_bytes(self._name, offset, offset + want)
-            got = len(data)
-            buffer[:got] = data
+            got = self._remote.read_into(offset, buffer)
         if got != want:
             raise StorageError(self.where, f"file is truncated: wanted bytes [{offset}, {offset + want}), got {got}")
 
@@ -299,6 +315,8 @@ class RangeReader:
         return bytes(buffer)
 
     def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held elsewhere: the GC closes it
                 self._map.close()
@@ -324,6 +342,10 @@ class AtomicWriter:
     the next chunk while this one is written: a copy loop then costs about max(read, write)
     rather than their sum. At most one write is in flight: the caller must leave the data of a
     write() unchanged until its next write() returns (two alternating buffers suffice).
+
+    On S3 the bytes go up as a multipart upload whose parts upload concurrently (multipart.py,
+    `zeroshard_part_size` x `zeroshard_uploads_in_flight`); a write returns once its bytes are
+    copied into the part being filled, and waits only while that many parts are uploading.
     """
 
     def __init__(self, location: Location, name: str, durable: bool = True, write_behind: bool = False):
@@ -343,6 +365,8 @@ class AtomicWriter:
                 # the owner tag lets a later run tell a dead writer's leftover from a live one's
                 self._temp = loc._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
                 self._file = open(self._temp, "wb", buffering=0)
+            elif is_s3(loc.fs):  # parts upload concurrently; completed at commit, aborted on failure
+                self._file = ConcurrentMultipartUpload(loc.fs, loc._full(self._name), loc.remote_io)
             else:
                 self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)
         return self

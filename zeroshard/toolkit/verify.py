@@ -148,7 +148,7 @@ def _check_file(location: Location, manifest: Manifest, file: FileEntry, progres
     if size != file.size:
         problem = "truncated" if size < file.size else "longer than recorded"
         return [f"file is {problem}: {size} bytes, manifest records {file.size}"], ""
-    with location.open_reader(file.name) as reader:
+    with location.open_reader(file.name, size=size) as reader:
         header, problems = read_rank_header(reader, file, manifest, size)
         if problems:
             return problems, ""
