@@ -127,7 +127,7 @@ def test_interop_is_toolkit_side():
     import sys
 
     code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
-            "zeroshard.interop.torch_pickle; print('\\n'.join(sys.modules))")
+            "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; print('\\n'.join(sys.modules))")
     modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
     assert "torch" not in modules
     assert not {m for m in modules if m.startswith(("zeroshard.engine", "zeroshard.checkpointing"))}
