@@ -174,3 +174,25 @@ def _initialize_errors(rank, world_size):
 def test_initialize_refuses_ambiguity():
     assert run_ranks(_initialize_errors, 1, init_process_group=False)[0] == ["ValueError", "ValueError", "ValueError",
                                                                              "NotImplementedError"]
+
+
+def _load_deepspeed_folder(rank, world_size, path):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.errors import CheckpointError
+
+    with deepspeed.zero.Init():  # accepted: the model is partitioned at initialize
+        model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 2}})
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_loading_a_deepspeed_folder_says_how_to_convert_it():
+    from pathlib import Path
+
+    path = str(Path(__file__).parent / "data" / "deepspeed" / "stage2")
+    message = run_ranks(_load_deepspeed_folder, 2, path=path, init_process_group=False)[0]
+    assert message and "zeroshard import deepspeed" in message and "\n" not in message

@@ -4,10 +4,13 @@ engine resumes from with exactly the losses DeepSpeed's own resume produced."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,11 +126,25 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 
 def test_interop_is_toolkit_side():
     """The importers never import the training core, and torch only when a command runs."""
-    import subprocess
-    import sys
-
     code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
             "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; print('\\n'.join(sys.modules))")
     modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
     assert "torch" not in modules
     assert not {m for m in modules if m.startswith(("zeroshard.engine", "zeroshard.checkpointing"))}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
+    """With DeepSpeed installed, regenerate the fixtures with this DeepSpeed and check them too."""
+    tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for stage in (1, 2, 3):
+        expected = json.loads((tmp_path / "fresh" / f"stage{stage}" / "expected.json").read_text())
+        assert expected["losses_resumed"] == pytest.approx(expected["losses_after"], rel=1e-6)
+        out = tmp_path / f"imported{stage}"
+        _import(tmp_path / "fresh" / f"stage{stage}", out)
+        got = run_ranks(_resume, 2, path=str(out), stage=stage, steps=[3, 4, 5], init_process_group=False)[0]
+        assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5)

@@ -149,3 +149,25 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path):
     result = CliRunner().invoke(main, ["import", "dcp", str(folder), str(tmp_path / "out"), "-q"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert not side.exists()
+
+
+def test_hostile_chunk_bytes_are_refused_and_never_run(tmp_path):
+    """The metadata is fine but a value's bytes are a pickle that would call os.system."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    folder, side = tmp_path / "evil", tmp_path / "pwned"
+    folder.mkdir()
+    blob = io.BytesIO()
+    torch.save(_Evil(side), blob)
+    (folder / "__0_0.distcp").write_bytes(blob.getvalue())
+    metadata = Metadata(state_dict_metadata={"model.x": BytesStorageMetadata()},
+                        planner_data={"model.x": ("model", "x")},
+                        storage_data={MetadataIndex("model.x"): _StorageInfo("__0_0.distcp", 0, len(blob.getvalue()))})
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError) as err:
+        read_dcp(str(folder))
+    assert "__0_0.distcp" in str(err.value) and "model.x" in str(err.value) and "\n" not in str(err.value)
+    assert not side.exists()

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.errors import CheckpointError
+
 
 class DeepSpeedEngine:
     def __init__(self, engine: Any, lr_scheduler: Any, split: Any) -> None:
@@ -143,8 +145,14 @@ class DeepSpeedEngine:
             return None, None
         with_optimizer = load_optimizer_states and not load_module_only
         scheduler = self.lr_scheduler if load_lr_scheduler_states and not load_module_only else None
-        client = self.engine.load_checkpoint(path, strict=load_module_strict, load_optimizer_states=with_optimizer,
-                                             lr_scheduler=scheduler)
+        try:
+            client = self.engine.load_checkpoint(path, strict=load_module_strict,
+                                                 load_optimizer_states=with_optimizer, lr_scheduler=scheduler)
+        except CheckpointError as exc:
+            if _is_deepspeed_folder(path):
+                raise CheckpointError(path, "this is a DeepSpeed checkpoint: convert it once with "
+                                            f"`zeroshard import deepspeed {path} OUT`, then load OUT") from exc
+            raise
         return path, client
 
     def __getattr__(self, name: str) -> Any:
@@ -152,6 +160,19 @@ class DeepSpeedEngine:
 
     def __repr__(self) -> str:
         return f"DeepSpeedEngine({self.engine!r})"
+
+
+def _is_deepspeed_folder(folder: str) -> bool:
+    import glob
+
+    if glob.glob(os.path.join(folder, "*_optim_states.pt")):
+        return True
+    try:
+        with open(os.path.join(folder, "latest"), encoding="utf-8") as f:
+            tag = f.read().strip()
+    except OSError:
+        return False
+    return bool(tag) and bool(glob.glob(os.path.join(folder, tag, "*_optim_states.pt")))
 
 
 def _looks_committed(folder: str) -> bool:
