@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_ranks
 from interop_model import batch, make_model

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

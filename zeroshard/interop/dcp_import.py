@@ -18,8 +18,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_metadata import load_metadata
-from zeroshard.interop.deepspeed_ckpt import _json, _optimizer_class, _scalar
-from zeroshard.interop.imported import Imported
+from zeroshard.interop.imported import Imported, optimizer_class_of, scalar_entry, to_json
 from zeroshard.interop.torch_pickle import STAND_INS
 
 
@@ -124,7 +123,7 @@ def read_dcp(src: str) -> Imported:
         imp.params[name] = model[name].float()
         per_elem = {k: v for k, v in state.get(name, {}).items() if torch.is_tensor(v) and v.dim() >= 1}
         imp.optimizer_state[name] = {k: v.reshape(-1) for k, v in per_elem.items()}
-        imp.scalar_state[name] = {k: _scalar(v) for k, v in state.get(name, {}).items() if k not in per_elem}
+        imp.scalar_state[name] = {k: scalar_entry(v) for k, v in state.get(name, {}).items() if k not in per_elem}
     for name, value in model.items():
         if name in imp.params:
             continue
@@ -134,9 +133,9 @@ def read_dcp(src: str) -> Imported:
             imp.aliases[name] = twin  # a tied weight: saved twice by the state dict, one parameter
         else:
             imp.buffers[name] = value
-    imp.param_groups = [{**{k: _json(v) for k, v in g.items() if k != "params"}, "params": list(map(str, g["params"]))}
+    imp.param_groups = [{**{k: to_json(v) for k, v in g.items() if k != "params"}, "params": list(map(str, g["params"]))}
                         for g in ordered_groups if g.get("params") is not None]
-    imp.optimizer_class = _optimizer_class(imp.param_groups, {})
+    imp.optimizer_class = optimizer_class_of(imp.param_groups)
     steps = [v["step"]["value"] for v in imp.scalar_state.values() if "step" in v]
     imp.global_steps = imp.micro_steps = int(steps[0]) if steps else 0
     if imp.aliases:

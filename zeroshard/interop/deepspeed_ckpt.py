@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop.imported import Imported
+from zeroshard.interop.imported import Imported, optimizer_class_of, scalar_entry, to_json
 from zeroshard.interop.torch_pickle import load_pt
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
@@ -65,46 +65,17 @@ def _optim_files(folder: str) -> list[str]:
     return [found[r] for r in range(len(found))]
 
 
-def _json(value: Any) -> Any:
-    """A plain-JSON copy, or raise TypeError (the caller decides what to drop)."""
-    import torch
-
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _json(v) for k, v in value.items()}
-    if torch.is_tensor(value) and value.dim() == 0:
-        return value.item()
-    raise TypeError(type(value).__name__)
-
-
-def _scalar(value: Any) -> dict[str, Any]:
-    import torch
-
-    if torch.is_tensor(value):
-        return {"dtype": {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}.get(value.dtype, "F32"),
-                "value": value.item()}
-    return {"value": _json(value)}
-
-
-def _optimizer_class(groups: list[dict[str, Any]], ds_config: dict[str, Any]) -> str:
-    kind = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
-    if kind in ("adamw",) or (groups and groups[0].get("decoupled_weight_decay")):
-        return "torch.optim.adamw.AdamW"
-    if kind == "adam" or (groups and "betas" in groups[0]):
-        return "torch.optim.adam.Adam"
-    if kind == "sgd" or (groups and "momentum" in groups[0]):
-        return "torch.optim.sgd.SGD"
-    return kind or "unknown"
-
-
 def read_deepspeed(src: str) -> Imported:
     """Read the DeepSpeed checkpoint at `src` (a root with `latest`, or a tag folder)."""
-    import torch
-
     folder = resolve_tag_folder(src)
+    try:
+        return _read(folder)
+    except (KeyError, IndexError, AttributeError, TypeError) as exc:  # a layout we do not know
+        raise CheckpointError(folder, f"unexpected DeepSpeed checkpoint layout ({type(exc).__name__}: {exc}); "
+                                      "ZeRO 1/2/3 data-parallel checkpoints are supported") from None
+
+
+def _read(folder: str) -> Imported:
     optim_paths = _optim_files(folder)
     world = len(optim_paths)
     optims = [load_pt(p) for p in optim_paths]
@@ -142,11 +113,14 @@ def read_deepspeed(src: str) -> Imported:
     for g, shapes in enumerate(groups_shapes):
         saved = dict((base.get("param_groups") or [{}] * len(groups_shapes))[g])
         saved.pop("params", None)
-        group = {k: _json(v) for k, v in saved.items()}
+        group = {k: to_json(v) for k, v in saved.items()}
         group["params"] = list(shapes)
         hyper.append(group)
     imp.param_groups = hyper
-    imp.optimizer_class = _optimizer_class(hyper, ds_config)
+    declared = str((ds_config.get("optimizer") or {}).get("type", ""))
+    if declared.lower() == "adam" and (ds_config["optimizer"].get("params") or {}).get("adam_w_mode", True):
+        declared = "AdamW"  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+    imp.optimizer_class = optimizer_class_of(hyper, declared)
 
     module = model.get("module") or {}
     imp.buffers = {n: module[n].detach().clone() for n in model["buffer_names"] if n in module}
@@ -170,7 +144,7 @@ def read_deepspeed(src: str) -> Imported:
         imp.loss_scale = {"scale": float(scaler.cur_scale), "good_steps": 0,
                           "hysteresis_left": int(getattr(scaler, "cur_hysteresis", 0) or 0)}
     try:
-        imp.lr_scheduler = _json(model.get("lr_scheduler"))
+        imp.lr_scheduler = to_json(model.get("lr_scheduler"))
     except TypeError:
         imp.notes.append("the lr_scheduler state is not plain data and was left out")
     client = {}
@@ -178,7 +152,7 @@ def read_deepspeed(src: str) -> Imported:
         if key in DS_KEYS:
             continue
         try:
-            client[str(key)] = _json(value)
+            client[str(key)] = to_json(value)
         except TypeError as exc:
             imp.notes.append(f"client_state[{key!r}] ({exc}) is not plain data and was left out")
     imp.client_state = client
@@ -191,8 +165,10 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
 
     for g, shapes in enumerate(groups_shapes):
         for path, osd in zip(paths, osds):
-            pads = (osd.get("param_alignment_paddings") or [[0]])[g] if osd.get("param_alignment_paddings") else [0]
-            if any(pads):
+            if "single_partition_of_fp32_groups" not in osd:
+                raise CheckpointError(path, "no single_partition_of_fp32_groups (a BF16_Optimizer or "
+                                            "non-ZeRO optimizer file?): not supported")
+            if any((osd.get("param_alignment_paddings") or [[]] * (g + 1))[g]):
                 raise CheckpointError(path, "per-parameter alignment padding is not supported")
         fp32 = [osd["single_partition_of_fp32_groups"][g].float() for osd in osds]
         full = torch.cat(fp32)
@@ -204,8 +180,8 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
                 # each rank's moment may keep the tail padding its fp32 slice dropped
                 states[key] = torch.cat([r[key].reshape(-1)[: f.numel()] for r, f in zip(per_rank, fp32)])
             else:
-                scalars[key] = _scalar(value)
-        _cut(imp, paths[0], shapes, full, states, scalars, contiguous=True, world=len(osds))
+                scalars[key] = scalar_entry(value)
+        _cut(imp, paths[0], shapes, full, states, scalars)
 
 
 def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shapes: list[dict]) -> None:
@@ -222,7 +198,7 @@ def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shape
             keys[key] = torch.is_tensor(value) and value.dim() >= 1
     moments = {k: [torch.cat([s[g][k].reshape(-1) for g in sorted(s)]) for s in per_rank_states]
                for k, per_elem in keys.items() if per_elem}
-    scalars = {k: _scalar(per_rank_states[0][min(per_rank_states[0])][k]) for k, per_elem in keys.items()
+    scalars = {k: scalar_entry(per_rank_states[0][min(per_rank_states[0])][k]) for k, per_elem in keys.items()
                if not per_elem}
     need = sum(math.ceil(math.prod(s) / world) for _, s in names)
     if any(f.numel() < need for f in flat):
@@ -239,8 +215,8 @@ def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shape
         offset += part
 
 
-def _cut(imp: Imported, where: str, shapes: dict, full: Any, states: dict, scalars: dict, contiguous: bool,
-         world: int) -> None:
+def _cut(imp: Imported, where: str, shapes: dict, full: Any, states: dict, scalars: dict) -> None:
+    """Params of one group, in param_shapes order, from the group's full flat fp32 buffer."""
     offset = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
