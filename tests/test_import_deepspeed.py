@@ -148,3 +148,18 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
         _import(tmp_path / "fresh" / f"stage{stage}", out)
         got = run_ranks(_resume, 2, path=str(out), stage=stage, steps=[3, 4, 5], init_process_group=False)[0]
         assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
+    """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / f"stage{stage}"))
+    ours = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    mine = {**ours.params, **ours.buffers, **{a: ours.params[t] for a, t in ours.aliases.items()}}
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name].float(), tensor.float()), name
