@@ -83,7 +83,11 @@ def read_dcp(src: str) -> Imported:
     """Read the DCP checkpoint folder `src`."""
     import torch
 
-    folder = src.rstrip("/")
+    folder = src.rstrip("/") or "/"
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, "no such DCP checkpoint folder")
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise CheckpointError(folder, "not a DCP checkpoint: no .metadata file")
     metadata = load_metadata(os.path.join(folder, ".metadata"))
     storage = getattr(metadata, "storage_data", None) or {}
     chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
