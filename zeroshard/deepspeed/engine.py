@@ -156,6 +156,8 @@ class DeepSpeedEngine:
         return path, client
 
     def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (e.g. mid-construction): no recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     def __repr__(self) -> str:
