@@ -251,6 +251,78 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     if report.errors:
         sys.exit(EXIT_ERROR)
 
+# ---- interop: import from DeepSpeed / DCP, export to DCP (zeroshard/interop) ----------------------
+
+@main.group("import")
+def import_group() -> None:
+    """Convert a DeepSpeed or DCP (FSDP2) checkpoint into a zeroshard checkpoint."""
+
+
+@import_group.command("deepspeed")
+@click.argument("src")
+@click.argument("out")
+@click.option("--world", "world_size", type=int, default=None, help="Ranks to write for (default: the source's).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict,
+                     quiet: bool) -> None:
+    """A DeepSpeed ZeRO 1/2/3 checkpoint (SRC: the save_dir with `latest`, or a tag folder).
+
+    fp32 master weights, Adam moments and step, param groups, global step, client state and
+    tied weights come across; `engine.load_checkpoint(OUT)` resumes where DeepSpeed stopped.
+    The .pt files are read with torch's weights_only unpickler and a closed allowlist.
+    """
+    from zeroshard.interop.deepspeed_ckpt import read_deepspeed
+    from zeroshard.interop.write import write_imported
+
+    _report_import(write_imported(read_deepspeed(src), out, world_size, tag="deepspeed", overwrite=overwrite,
+                                  storage_options=storage_options), out)
+
+
+@import_group.command("dcp")
+@click.argument("src")
+@click.argument("out")
+@click.option("--world", "world_size", type=int, default=1, show_default=True, help="Ranks to write for.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def import_dcp(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+    """A torch.distributed.checkpoint folder (FSDP2 `dcp.save({"model": ..., "optim": ...})`).
+
+    Read without a process group: `.metadata` through a restricted unpickler, tensors straight
+    from the `.distcp` byte ranges.
+    """
+    from zeroshard.interop.dcp_import import read_dcp
+    from zeroshard.interop.write import write_imported
+
+    _report_import(write_imported(read_dcp(src), out, world_size, tag="dcp", overwrite=overwrite,
+                                  storage_options=storage_options), out)
+
+
+def _report_import(manifest: Any, out: str) -> None:
+    params = [t for t in manifest.tensors.values() if t.role == "param"]
+    click.echo(f"wrote {out}: {len(params)} parameters ({sum(t.numel for t in params):,} elements), "
+               f"step {manifest.step}, over {manifest.world_size} ranks")
+    for note in manifest.extra.get("import_notes") or []:
+        click.echo(f"zeroshard: note: {note}", err=True)
+
+
+@main.group("export")
+def export_group() -> None:
+    """Convert a zeroshard checkpoint into another format."""
+
+
+@export_group.command("dcp")
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def export_dcp(ckpt: str, out: str, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+    """Write CKPT as a DCP checkpoint {"model": ..., "optim": ...} that FSDP2's dcp.load reads."""
+    from zeroshard.interop.dcp_export import export_dcp as run
+
+    n = run(ckpt, out, overwrite=overwrite, storage_options=storage_options)
+    click.echo(f"wrote {out}: {n} tensors (DCP)")
+
 
 def _register_estimate() -> None:
     from zeroshard.estimate import estimate_command  # pure arithmetic: no torch, no engine

@@ -1,0 +1,49 @@
+"""The tiny model and data of the DeepSpeed/DCP interop fixtures (tests/data/deepspeed).
+
+Shared by tools/make_deepspeed_fixtures.py (which trains it with real DeepSpeed) and the
+tests (which resume it with zeroshard). Data is arithmetic, not random, so it is the same on
+every machine and torch version. Odd parameter sizes make every partition padded; the output
+head is tied to the embedding; a buffer rides along.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, SEQ, MICRO_BATCH = 13, 5, 6, 4
+LR, BETAS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 0.01
+
+
+class TinyTied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.full((DIM,), 0.5))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + torch.tanh(self.fc(self.norm(h))) * self.scale
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_model(seed: int = 0) -> TinyTied:
+    torch.manual_seed(seed)
+    return TinyTied()
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch `step` of data-parallel rank `rank`."""
+    i = torch.arange(MICRO_BATCH * SEQ)
+    tokens = ((i * 7 + step * 5 + rank * 3) % VOCAB).reshape(MICRO_BATCH, SEQ)
+    targets = (tokens * 3 + 1 + (i.reshape(MICRO_BATCH, SEQ) % 2)) % VOCAB
+    return tokens, targets

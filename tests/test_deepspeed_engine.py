@@ -1,0 +1,197 @@
+"""zeroshard.deepspeed's engine surface: getters, checkpoints with DeepSpeed's signatures,
+zero.GatheredParameters, the optimizer section, accelerator and small pass-throughs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from interop_model import batch, make_model
+
+CONFIG = {"train_batch_size": 16, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}}}
+
+
+def _train(engine, steps, rank):
+    losses = []
+    for step in steps:
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoint_roundtrip(rank, world_size, path, stage):
+    import zeroshard.deepspeed as deepspeed
+
+    cfg = {**CONFIG, "zero_optimization": {"stage": stage}}
+    engine, optimizer, loader, sched = deepspeed.initialize(model=make_model(0), config=cfg)
+    facts = {"micro": engine.train_micro_batch_size_per_gpu(), "gas": engine.gradient_accumulation_steps(),
+             "tbs": engine.train_batch_size(), "stage": engine.zero_optimization_stage(),
+             "fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(), "rank": engine.global_rank,
+             "local_rank": engine.local_rank, "same_opt": optimizer is engine.optimizer, "loader": loader,
+             "sched": type(sched).__name__, "sched_attr": engine.lr_scheduler is sched,
+             "module": engine.module is engine.engine.module,
+             "native_gas_still_int": engine.engine.gradient_accumulation_steps == 2}
+    _train(engine, range(6), rank)  # 3 optimizer steps
+    facts["norm"] = engine.get_global_grad_norm()
+    facts["saved"] = engine.save_checkpoint(path, client_state={"epoch": 4})
+    facts["after"] = _train(engine, range(6, 10), rank)
+    facts["lr_after"] = engine.get_lr()
+
+    fresh, _, _, _ = deepspeed.initialize(model=make_model(1), config=cfg)
+    load_path, client = fresh.load_checkpoint(path)
+    facts["load"] = (load_path, client, fresh.global_steps, fresh.lr_scheduler.last_batch_iteration)
+    facts["resumed"] = _train(fresh, range(6, 10), rank)
+    facts["lr_resumed"] = fresh.get_lr()
+    facts["missing"] = fresh.load_checkpoint(path + "-nothing-here")
+    return facts
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_and_load_with_deepspeed_signatures(tmp_path, stage):
+    facts = run_ranks(_checkpoint_roundtrip, 2, path=str(tmp_path / "ckpt"), stage=stage, init_process_group=False)
+    for rank, f in enumerate(facts):
+        assert (f["micro"], f["gas"], f["tbs"], f["stage"]) == (4, 2, 16, stage)
+        assert (f["fp16"], f["bf16"], f["rank"], f["local_rank"]) == (False, False, rank, rank)
+        assert f["same_opt"] and f["loader"] is None and f["sched"] == "WarmupLR" and f["sched_attr"] and f["module"]
+        assert f["native_gas_still_int"]
+        assert f["norm"] is not None and f["norm"] > 0  # clipping at DeepSpeed's default 1.0 computes it
+        assert f["saved"] is True
+        assert f["load"] == (str(tmp_path / "ckpt"), {"epoch": 4}, 3, 2)
+        assert f["resumed"] == pytest.approx(f["after"], rel=1e-6)
+        assert f["lr_resumed"] == f["lr_after"]
+        assert f["missing"] == (None, None)
+    assert (tmp_path / "ckpt" / "global_step3" / "zeroshard.json").exists()
+
+
+def _gathered(rank, world_size, stage):
+    import zeroshard.deepspeed as deepspeed
+
+    model = make_model(0)
+    reference = model.fc.weight.detach().clone()
+    engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": stage}})
+    with deepspeed.zero.GatheredParameters([model.fc.weight, model.fc.bias]):
+        seen = model.fc.weight.detach().clone()
+    with deepspeed.zero.GatheredParameters(model.fc.weight, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                model.fc.weight.fill_(0.25)
+    full = engine.engine.full_state_dict()
+    loss = engine(*batch(0, rank))  # training still works after the block
+    engine.backward(loss)
+    engine.step()
+    storage = model.fc.weight.untyped_storage().size()
+    return {"seen_ok": torch.equal(seen, reference), "full": full.get("fc.weight"), "storage": storage,
+            "loss": loss.item()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_reads_and_writes_back(stage):
+    out = run_ranks(_gathered, 2, stage=stage, init_process_group=False)
+    assert all(o["seen_ok"] for o in out)
+    assert torch.equal(out[0]["full"], torch.full((5, 5), 0.25))
+    assert all(math.isfinite(o["loss"]) for o in out)
+    if stage == 3:
+        assert all(o["storage"] == 0 for o in out)  # released again after the block
+
+
+def test_optimizer_section_has_deepspeed_meaning():
+    from zeroshard.deepspeed.optimizers import build_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    adam = build_optimizer({"type": "Adam", "params": {"lr": 0.1}}, p)
+    assert type(adam) is torch.optim.AdamW and adam.defaults["weight_decay"] == 0.0  # FusedAdam's default
+    l2 = build_optimizer({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, p)
+    assert type(l2) is torch.optim.Adam and l2.defaults["lr"] == 1e-3
+    assert type(build_optimizer({"type": "AdamW", "params": {"adam_w_mode": False}}, p)) is torch.optim.AdamW
+    sgd = build_optimizer({"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}, p)
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+    for bad in ({"type": "Lamb"}, {"type": "OneBitAdam"}, {"type": "Adam", "params": {"max_grad_norm": 1.0}},
+                {"type": "NoSuchThing"}):
+        with pytest.raises(ValueError):
+            build_optimizer(bad, p)
+
+
+def test_batch_sizes_resolve_as_deepspeed():
+    from zeroshard.deepspeed.config import batch_sizes, split_config
+
+    assert batch_sizes({"train_batch_size": 32}, 2) == (32, 16, 1)
+    assert batch_sizes({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 2) == (32, 4, 4)
+    assert batch_sizes({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4) == (24, 3, 2)
+    assert batch_sizes({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, 2) == (32, 8, 2)
+    with pytest.raises(ValueError, match="Either train_batch_size"):
+        batch_sizes({}, 2)
+    with pytest.raises(ValueError):
+        batch_sizes({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}, 2)
+    split = split_config({"train_batch_size": 8, "optimizer": {"type": "SGD"}, "dataloader_drop_last": True}, 2)
+    assert split.engine["gradient_clipping"] == 1.0 and "optimizer" not in split.engine and split.dataloader_drop_last
+    assert split_config({"train_batch_size": 8, "gradient_clipping": 0.0}, 2).engine["gradient_clipping"] == 0.0
+
+
+def test_config_arguments_accelerator_and_moe():
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.deepspeed.accelerator import Accelerator, get_accelerator
+    from zeroshard.deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed is True and args.deepspeed_config == "ds.json"
+    acc = get_accelerator()
+    assert acc.is_available() and acc.device_name(0) == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert acc.current_device_name() in ("cpu", f"cuda:{acc.current_device()}")
+    cuda = Accelerator("cuda")
+    assert cuda.device_name(1) == "cuda:1" and cuda.device_name() == "cuda" and cuda.communication_backend_name() == "nccl"
+    assert Accelerator("cpu").communication_backend_name() == "gloo"
+    p = torch.nn.Parameter(torch.zeros(1))
+    group = {"params": [p], "name": "parameters"}
+    assert not is_moe_param(p) and split_params_into_different_moe_groups_for_optimizer(group) == [group]
+
+
+def _initialize_errors(rank, world_size):
+    import zeroshard.deepspeed as deepspeed
+
+    errors = []
+    for kwargs in ({"config": {"train_batch_size": 4}},  # no optimizer anywhere
+                   {"config": {**CONFIG}, "optimizer": torch.optim.SGD(make_model().parameters(), lr=0.1)},
+                   {"config": CONFIG, "args": argparse.Namespace(deepspeed_config="x.json")},
+                   {"config": CONFIG, "mpu": object()}):
+        try:
+            deepspeed.initialize(model=make_model(), **kwargs)
+            errors.append(None)
+        except (ValueError, NotImplementedError) as exc:
+            errors.append(type(exc).__name__)
+    return errors
+
+
+def test_initialize_refuses_ambiguity():
+    assert run_ranks(_initialize_errors, 1, init_process_group=False)[0] == ["ValueError", "ValueError", "ValueError",
+                                                                             "NotImplementedError"]
+
+
+def _load_deepspeed_folder(rank, world_size, path):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.errors import CheckpointError
+
+    with deepspeed.zero.Init():  # accepted: the model is partitioned at initialize
+        model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 2}})
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_loading_a_deepspeed_folder_says_how_to_convert_it():
+    from pathlib import Path
+
+    path = str(Path(__file__).parent / "data" / "deepspeed" / "stage2")
+    message = run_ranks(_load_deepspeed_folder, 2, path=path, init_process_group=False)[0]
+    assert message and "zeroshard import deepspeed" in message and "\n" not in message

@@ -1,0 +1,165 @@
+"""`zeroshard import deepspeed`: real DeepSpeed checkpoints (tests/data/deepspeed, written by
+tools/make_deepspeed_fixtures.py with DeepSpeed itself) become zeroshard checkpoints that the
+engine resumes from with exactly the losses DeepSpeed's own resume produced."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from distributed import run_ranks
+from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
+from zeroshard.cli import main
+from zeroshard.errors import CheckpointError
+from zeroshard.format import open_checkpoint
+from zeroshard.interop.deepspeed_ckpt import read_deepspeed
+
+FIXTURES = Path(__file__).parent / "data" / "deepspeed"
+
+
+def _import(src: Path, out: Path, *extra: str) -> None:
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(out), "-q", *extra])
+    assert result.exit_code == 0, result.output
+
+
+def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int]) -> dict:
+    import zeroshard
+
+    engine = zeroshard.initialize(model=make_model(seed=1), optimizer=make_optimizer,
+                                  config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+    # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
+    client = engine.load_checkpoint(path)
+    losses = []
+    for step in steps:
+        tokens, targets = batch(step, rank)
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return {"losses": losses, "client": client, "global_steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
+    expected = json.loads((FIXTURES / f"stage{stage}" / "expected.json").read_text())
+    out = tmp_path / "imported"
+    _import(FIXTURES / f"stage{stage}", out)
+    _, manifest = open_checkpoint(str(out))
+    assert manifest.step == 3 and manifest.zero_stage == stage and manifest.aliases == {"head.weight": "emb.weight"}
+    steps = list(range(len(expected["losses_before"]), len(expected["losses_before"]) + len(expected["losses_resumed"])))
+    # resume at the source's world size and stage, and at another stage (the format is stage-free)
+    for engine_stage in (stage, 3 if stage != 3 else 1):
+        got = run_ranks(_resume, 2, path=str(out), stage=engine_stage, steps=steps, init_process_group=False)[0]
+        assert got["client"] == expected["client_state"]
+        assert got["global_steps"] == 3 + len(steps)
+        for mine, theirs in zip(got["losses"], expected["losses_resumed"]):
+            assert math.isclose(mine, theirs, rel_tol=1e-5), (engine_stage, got["losses"], expected["losses_resumed"])
+
+
+def test_import_reshards_to_another_world_size(tmp_path):
+    expected = json.loads((FIXTURES / "stage3" / "expected.json").read_text())
+    out = tmp_path / "w3"
+    _import(FIXTURES / "stage3", out, "--world", "3")
+    assert open_checkpoint(str(out))[1].world_size == 3
+    got = run_ranks(_resume, 2, path=str(out), stage=2, steps=[3, 4, 5], init_process_group=False)[0]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got["losses"], expected["losses_resumed"]))
+
+
+def test_imported_values_match_deepspeed_partitions():
+    """Stage 1 and stage 3 cut the same training run: the same fp32 weights and moments."""
+    one, three = read_deepspeed(str(FIXTURES / "stage1")), read_deepspeed(str(FIXTURES / "stage3"))
+    assert list(one.params) == list(three.params) == ["emb.weight", "norm.weight", "norm.bias", "fc.weight", "fc.bias"]
+    for name in one.params:
+        torch.testing.assert_close(one.params[name], three.params[name], rtol=1e-5, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(one.optimizer_state[name][key], three.optimizer_state[name][key],
+                                       rtol=1e-5, atol=1e-9)
+    assert one.scalar_state["fc.bias"]["step"]["value"] == 3
+    assert one.param_groups[0]["lr"] == 1e-2 and one.param_groups[0]["betas"] == [0.9, 0.95]
+    assert one.buffers["scale"].tolist() == [0.5] * 5
+
+
+def _hostile_copy(tmp_path: Path, victim: str) -> tuple[Path, Path]:
+    side = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {side}",))
+
+    folder = tmp_path / "evil"
+    shutil.copytree(FIXTURES / "stage2" / "global_step3", folder)
+    torch.save({"optimizer_state_dict": {"x": Evil()}}, folder / victim)
+    return folder, side
+
+
+@pytest.mark.parametrize("victim", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
+def test_hostile_pickle_is_refused_and_never_runs(tmp_path, victim):
+    folder, side = _hostile_copy(tmp_path, victim)
+    with pytest.raises(CheckpointError) as err:
+        read_deepspeed(str(folder))
+    message = str(err.value)
+    assert victim in message and "refused" in message and "\n" not in message
+    assert not side.exists()
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(folder), str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1 and victim in result.output and len(result.output.strip().splitlines()) == 1
+    assert not side.exists() and not (tmp_path / "out" / "zeroshard.json").exists()
+
+
+def test_not_a_deepspeed_checkpoint(tmp_path):
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(tmp_path), str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1 and "not a DeepSpeed checkpoint" in result.output
+
+
+def test_interop_is_toolkit_side():
+    """The importers never import the training core, and torch only when a command runs."""
+    code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
+            "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; print('\\n'.join(sys.modules))")
+    modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
+    assert "torch" not in modules
+    assert not {m for m in modules if m.startswith(("zeroshard.engine", "zeroshard.checkpointing"))}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
+    """With DeepSpeed installed, regenerate the fixtures with this DeepSpeed and check them too."""
+    tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for stage in (1, 2, 3):
+        expected = json.loads((tmp_path / "fresh" / f"stage{stage}" / "expected.json").read_text())
+        assert expected["losses_resumed"] == pytest.approx(expected["losses_after"], rel=1e-6)
+        out = tmp_path / f"imported{stage}"
+        _import(tmp_path / "fresh" / f"stage{stage}", out)
+        got = run_ranks(_resume, 2, path=str(out), stage=stage, steps=[3, 4, 5], init_process_group=False)[0]
+        assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
+    """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / f"stage{stage}"))
+    ours = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    mine = {**ours.params, **ours.buffers, **{a: ours.params[t] for a, t in ours.aliases.items()}}
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name].float(), tensor.float()), name

@@ -1,0 +1,1 @@
+"""MoE names that scripts import even without MoE; zeroshard has no expert parallelism."""

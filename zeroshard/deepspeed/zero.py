@@ -1,0 +1,100 @@
+"""deepspeed.zero: Init (accepted, builds nothing yet) and GatheredParameters.
+
+Init: DeepSpeed partitions parameters as the model is built. zeroshard builds the full model
+and partitions at initialize(); the context is accepted so scripts run unchanged (the model must
+then fit in host memory once per rank).
+
+GatheredParameters(params, modifier_rank=None): a collective, every rank enters it. At stage 3
+each parameter gets its full value (gathered from the fp32 master shards) for the duration of
+the block; at stages 0-2 parameters are already whole. On exit with modifier_rank set, that
+rank's values are broadcast and written into every rank's fp32 master shard (through the
+engine's load_shards), so in-place initialisation inside the block takes effect.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ENGINE_ATTR = "_zeroshard_engine"
+_warned_init = False
+
+
+def register_engine(engine: Any) -> None:
+    """Remember which engine holds each parameter (called by zeroshard.deepspeed.initialize)."""
+    ref = weakref.ref(engine)
+    for p in engine.module.parameters():
+        setattr(p, _ENGINE_ATTR, ref)
+
+
+class Init:
+    """Accepted for compatibility; parameters are partitioned at initialize(), not here."""
+
+    def __init__(self, module: Any = None, *args: Any, enabled: bool = True, **kwargs: Any) -> None:
+        self.enabled = enabled
+
+    def __enter__(self) -> "Init":
+        global _warned_init
+        if self.enabled and not _warned_init:
+            _warned_init = True
+            warnings.warn("zeroshard.deepspeed.zero.Init builds the full model; parameters are partitioned at "
+                          "initialize() (see docs/DEEPSPEED.md)", stacklevel=2)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class GatheredParameters:
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)] if enabled else []
+        self.modifier_rank = modifier_rank
+        refs = {getattr(p, _ENGINE_ATTR, None) for p in self.params} - {None}
+        if len(refs) > 1:
+            raise ValueError("GatheredParameters: the parameters belong to different engines")
+        self.engine = next(iter(refs))() if refs else None
+        self._allocated: list[torch.Tensor] = []
+
+    def _names(self) -> list[str]:
+        name_of = {id(p): n for n, p in self.engine.module.named_parameters()}
+        return [name_of[id(p)] for p in self.params]
+
+    def __enter__(self) -> "GatheredParameters":
+        if self.engine is None or self.engine.stage != 3:
+            return self
+        shards = dict(self.engine.named_shards())
+        world = self.engine.world_size
+        with torch.no_grad():
+            for p, name in zip(self.params, self._names()):
+                info = shards[name]
+                full = torch.empty(world * info.chunk, dtype=torch.float32, device=info.master.device)
+                dist.all_gather_into_tensor(full, info.master.detach().contiguous())
+                storage = p.data.untyped_storage()
+                if storage.size() == 0:  # released by the engine: give it storage for the block
+                    storage.resize_(p.numel() * p.element_size())
+                    self._allocated.append(p)
+                p.data.copy_(full[: p.numel()].view(p.shape).to(p.dtype))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.engine is not None and self.modifier_rank is not None and exc[0] is None:
+                shards = dict(self.engine.named_shards())
+                states = {}
+                with torch.no_grad():
+                    for p, name in zip(self.params, self._names()):
+                        dist.broadcast(p.data, src=self.modifier_rank)
+                        info = shards[name]
+                        states[name] = {"fragment": p.data.reshape(-1)[info.start:info.end].float()}
+                self.engine.load_shards(states, strict=False)
+        finally:
+            for p in self._allocated:  # back to the engine's released state
+                p.data.untyped_storage().resize_(0)
+            self._allocated = []

@@ -1,0 +1,85 @@
+"""`zeroshard export dcp`: a zeroshard checkpoint as a DCP checkpoint FSDP2 can dcp.load.
+
+The state dict written is {"model": model.state_dict() names (weights, buffers, tied aliases),
+"optim": get_optimizer_state_dict's layout ({"state": {fqn: {...}}, "param_groups": [...,
+"params": [fqn...]]})}, full (unsharded) tensors, saved by torch.distributed.checkpoint's own
+FileSystemWriter in one process (no_dist=True). DCP reshards full tensors into any FSDP2
+layout at load. Local folders only (DCP's writer is); written beside OUT and moved into place,
+so an existing OUT stays whole until the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from typing import Any
+
+from zeroshard.errors import OutputExistsError, ZeroshardError
+from zeroshard.format import CheckpointReader, open_checkpoint
+
+
+def _scalar(entry: dict[str, Any]) -> Any:
+    import torch
+
+    from zeroshard.storage.safetensors_header import torch_dtype
+
+    if "dtype" in entry:
+        return torch.tensor(entry["value"], dtype=torch_dtype(entry["dtype"]))
+    return entry["value"]
+
+
+def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """{"model": ..., "optim": ...} of the zeroshard checkpoint at `ckpt`, full CPU tensors."""
+    location, manifest = open_checkpoint(ckpt, storage_options)
+    model: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    with CheckpointReader(location, manifest) as reader:
+        for name, entry in manifest.tensors.items():
+            if entry.role in ("param", "buffer"):
+                model[name] = reader.read_flat(entry).reshape(entry.shape)
+            elif entry.role == "optimizer":
+                state.setdefault(entry.param, {})[entry.state] = reader.read_flat(entry).reshape(entry.shape)
+    for alias, target in manifest.aliases.items():
+        model[alias] = model[target]
+    optimizer = manifest.optimizer or {}
+    for name, scalars in (optimizer.get("scalar_state") or {}).items():
+        for key, value in scalars.items():
+            state.setdefault(name, {})[key] = _scalar(value)
+    groups = []
+    for group in optimizer.get("param_groups") or []:
+        g = {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in group.items()}
+        groups.append(g)
+    if not groups and state:
+        groups = [{"params": list(state)}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None) -> int:
+    """Write `ckpt` as a DCP checkpoint folder `out`; returns the number of tensors written."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if "://" in out:
+        raise ZeroshardError(f"{out}: DCP export writes local folders only")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise OutputExistsError(out)
+    state_dict = export_state_dict(ckpt, storage_options)
+    staging = f"{out.rstrip('/')}.zeroshard-tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
+        if os.path.exists(out):
+            old = f"{out.rstrip('/')}.zeroshard-old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    tensors = [v for v in state_dict["model"].values() if torch.is_tensor(v)]
+    tensors += [v for s in state_dict["optim"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    return len(tensors)
