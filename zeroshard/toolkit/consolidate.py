@@ -157,13 +157,18 @@ def _write_rank_major(source: Location, manifest: Manifest, folder: Location, na
 
 def _write_streaming(source: Location, manifest: Manifest, folder: Location, names: list[str],
                      shards: list[list[OutputTensor]], progress, workers: int) -> None:
-    """Remote outputs are written front to back through ranged reads of the rank files."""
+    """Remote outputs are written front to back; every read is planned up front
+    (CheckpointReader.iter_planned), so many are in flight at once."""
     with CheckpointReader(source, manifest) as reader:
+        chunks = reader.iter_planned((t.source, 0, t.source.numel) for shard in shards for t in shard)
         for name, shard_tensors in zip(names, shards):
             layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
             with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
                 for tensor in shard_tensors:
-                    for chunk in reader.iter_range(tensor.source, 0, tensor.source.numel):
+                    remaining = tensor.source.nbytes
+                    while remaining:
+                        chunk = next(chunks)
+                        remaining -= len(chunk)
                         data = _cast(chunk, tensor.source.dtype, tensor.dtype)
                         writer.write(data)
                         progress(len(data))

@@ -97,14 +97,20 @@ def _write_rank_major(source: Location, manifest: Manifest, target: Location, sp
 
 def _write_streaming(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
                      checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
-    """Remote outputs are written front to back, one file at a time, read through ranged reads."""
+    """Remote outputs are written front to back, one file at a time; the reads of every file are
+    planned up front (CheckpointReader.iter_planned), so many are in flight at once."""
+    contents = [rank_contents(specs, world_size, rank) for rank in range(world_size)]
     with CheckpointReader(source, manifest) as reader:
+        chunks = reader.iter_planned(item for rank_items in contents for item in rank_items)
 
         def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-            for chunk in reader.iter_range(spec, start, end):
+            remaining = (end - start) * spec.itemsize
+            while remaining:  # requests come in the order fill is called: the next chunks are ours
+                chunk = next(chunks)
                 write(chunk)
                 progress(len(chunk))
+                remaining -= len(chunk)
 
-        return [write_rank_file(target, checkpoint_id, rank, world_size, rank_contents(specs, world_size, rank), fill,
+        return [write_rank_file(target, checkpoint_id, rank, world_size, contents[rank], fill,
                                 durable=False, write_behind=True)
                 for rank in range(world_size)]
