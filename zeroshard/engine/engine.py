@@ -36,6 +36,7 @@ from zeroshard.engine import memory, state
 from zeroshard.engine.collectives import all_gather, ensure_process_group, gather_into_params
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
+from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
@@ -49,11 +50,16 @@ _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter
 
 def initialize(model: nn.Module,
                optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> "ZeroEngine":
+               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
+               init_fn: Callable[[nn.Module], None] | None = None) -> "ZeroEngine":
     """Wrap `model` and `optimizer` in a ZeroEngine (creating the process group if needed).
 
     Every rank must call this with the same model structure and config. Input errors found on
     any rank are raised on every rank (nobody is left waiting in a collective).
+
+    A model built on the meta device (`torch.device("meta")` or `zeroshard.zero_init()`) is
+    materialized here one module at a time (stage 3: never whole), each module initialized by
+    `init_fn(module)` if given, else by its `reset_parameters()`; see meta_init.py.
     """
     device = ensure_process_group()
     cfg, error = None, None
@@ -66,10 +72,13 @@ def initialize(model: nn.Module,
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
                             f"not {type(optimizer).__name__}")
         cfg.resolve_accumulation(dist.get_world_size())
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable, not {type(init_fn).__name__}")
+        check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
     _agree(error, cfg, model, device)
-    return ZeroEngine(model, optimizer, cfg, device)
+    return ZeroEngine(model, optimizer, cfg, device, init_fn=init_fn)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -126,7 +135,8 @@ class ZeroEngine:
     shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0).
     """
 
-    def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device,
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         self.config = config
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -140,21 +150,32 @@ class ZeroEngine:
         self._backward_done = self._in_backward = self._reducing = False
         z = config.zero_optimization
 
-        self.module = module.to(device)
         self.group = dist.group.WORLD
+        # Meta-built model: real tensors replace the meta ones; values come from materialize(),
+        # here at stages 0-2 (whole model), after sharding at stage 3 (module by module).
+        meta = MetaInit(module, device, storage=self.stage < 3) if has_meta(module) else None
+        if meta is not None:
+            meta.remap_optimizer(optimizer)
+            if self.stage < 3:
+                meta.materialize(init_fn, lambda p, value: p.data.copy_(value), device, self.group)
+        self.module = module.to(device)
         # Separate groups so gradient reductions and parameter gathers launched from hooks
         # never need a common order with each other, only among themselves.
         self._rs_group = dist.new_group()
         self._ag_group = dist.new_group()
-        self._broadcast_from_rank0()
+        self._broadcast_from_rank0(params=meta is None or self.stage < 3)
 
-        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank, device)
+        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank, device,
+                                                     pending=meta.pending if meta is not None else ())
         self._trainable = [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
         self._cast_module()
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
         self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
                               z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate) if self.stage == 3 else None
+        if meta is not None and self.stage == 3:
+            meta.materialize(init_fn, self._set_master, device, self.group)
+            self._broadcast_from_rank0(params=False)
         self.optimizer = build_optimizer(optimizer, self.shards)
         self.scaler = LossScaler(config.fp16)
         self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
@@ -165,13 +186,18 @@ class ZeroEngine:
 
     # -- set-up helpers ------------------------------------------------------------------------
 
-    def _broadcast_from_rank0(self) -> None:
+    def _broadcast_from_rank0(self, params: bool = True) -> None:
         """Start every rank from rank 0's weights and buffers (as DDP does)."""
         if self.world_size == 1:
             return
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in (list(self.module.parameters()) if params else []) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=0, group=self.group)
+
+    def _set_master(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Meta init at stage 3: keep this rank's range of a freshly initialized full parameter."""
+        s = self._shard_by_param[id(param)]
+        s.master[: s.owned].copy_(value.reshape(-1)[s.start: s.end])
 
     def _cast_module(self) -> None:
         """Module params to the compute dtype (the masters already hold the fp32 values)."""
