@@ -37,6 +37,7 @@ from zeroshard.engine.collectives import all_gather, ensure_process_group, gathe
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
+from zeroshard.engine.offload import master_device
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
@@ -165,14 +166,17 @@ class ZeroEngine:
         self._ag_group = dist.new_group()
         self._broadcast_from_rank0(params=meta is None or self.stage < 3)
 
-        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank, device,
+        # offload_optimizer: masters (so gradient shards and optimizer state) in host memory.
+        self.master_device, pin = master_device(config, device)
+        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank,
+                                                     self.master_device, pin=pin,
                                                      pending=meta.pending if meta is not None else ())
         self._trainable = [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
         self._cast_module()
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
         self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
-                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate) if self.stage == 3 else None
+                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate, device) if self.stage == 3 else None
         if meta is not None and self.stage == 3:
             meta.materialize(init_fn, self._set_master, device, self.group)
             self._broadcast_from_rank0(params=False)
@@ -180,7 +184,8 @@ class ZeroEngine:
         self.scaler = LossScaler(config.fp16)
         self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
                                    all_reduce=self.stage == 0, reduce_dtype=config.reduce_dtype,
-                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm)
+                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm,
+                                   device=device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
                        for s in self._trainable]
 
@@ -295,10 +300,11 @@ class ZeroEngine:
         coef = 1.0 / scale
         if clip > 0 or self.scaler.enabled:
             # One number serves both: the global norm, and (non-finite) the fp16 overflow flag.
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            sq = torch.zeros((), dtype=torch.float32, device=self.master_device)
             for g in grads:
                 sq += g.pow(2).sum()
             if self.shard_world_size > 1:
+                sq = sq.to(self.device)  # offloaded grads: the norm is summed on the host, reduced here
                 dist.all_reduce(sq, group=self.group)
             total = sq.item()
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
@@ -332,7 +338,7 @@ class ZeroEngine:
                         s.param.data.copy_(s.master.view(s.shape))
         elif self.stage in (1, 2):
             gather_into_params(self._trainable, self.compute_dtype, self.world_size, self._ag_group,
-                               int(self.config.zero_optimization.allgather_bucket_size))
+                               int(self.config.zero_optimization.allgather_bucket_size), self.device)
 
     # -- small conveniences --------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ def unique_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramet
 
 
 def build_shards(module: nn.Module, world: int, rank: int, device: torch.device,
-                 pending: Container[int] = ()) -> list[ParamShard]:
+                 pending: Container[int] = (), pin: bool = False) -> list[ParamShard]:
     """A ParamShard per unique parameter, with fp32 masters copied from the current values
     (zeros for the params in `pending`, whose values come later: see meta_init.py)."""
     shards = []
@@ -103,7 +103,8 @@ def build_shards(module: nn.Module, world: int, rank: int, device: torch.device,
         numel = p.numel()
         start, end = shard_range(numel, world, rank)
         chunk = chunk_size(numel, world)
-        master = torch.zeros(chunk, dtype=torch.float32, device=device)
+        master = (torch.zeros(chunk, dtype=torch.float32, device=device) if not pin
+                  else torch.zeros(chunk, dtype=torch.float32, pin_memory=True))  # offload.py
         if id(p) not in pending:
             master[: end - start].copy_(p.detach().reshape(-1)[start:end])
         shards.append(ParamShard(index, name, p, p.shape, p.dtype, start, end, chunk,

@@ -80,7 +80,7 @@ def _masters_to_params(engine: "ZeroEngine", shards: list) -> None:
                     s.param.data.copy_(s.master.view(s.shape))
         return
     gather_into_params(engine.shards, engine.compute_dtype, engine.world_size, engine._ag_group,
-                       int(engine.config.zero_optimization.allgather_bucket_size))
+                       int(engine.config.zero_optimization.allgather_bucket_size), engine.device)
 
 
 def full_state_dict(engine: "ZeroEngine") -> dict[str, Any]:
@@ -110,8 +110,9 @@ def _gather_full(engine: "ZeroEngine", s: Any) -> torch.Tensor | None:
     if engine.shard_world_size == 1:
         return s.master[: s.numel].detach().to("cpu").clone().view(s.shape)
     root = engine.rank == 0
-    parts = [torch.empty_like(s.master) for _ in range(engine.world_size)] if root else None
-    dist.gather(s.master.detach(), parts, dst=0, group=engine.group)
+    mine = s.master.detach().to(engine.device)  # offloaded masters: the collective runs on the device
+    parts = [torch.empty_like(mine) for _ in range(engine.world_size)] if root else None
+    dist.gather(mine, parts, dst=0, group=engine.group)
     if not root:
         return None
     full = torch.empty(s.numel, dtype=torch.float32)
