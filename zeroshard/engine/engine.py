@@ -33,11 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.engine import memory, state
-from zeroshard.engine.collectives import all_gather, ensure_process_group, gather_into_params
+from zeroshard.engine.collectives import all_gather, ensure_process_group
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
 from zeroshard.engine.offload import master_device
+from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
@@ -188,6 +189,9 @@ class ZeroEngine:
                                    device=device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
                        for s in self._trainable]
+        # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
+        self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
+                                     int(z.allgather_bucket_size), device) if self.stage in (1, 2) else None
 
     # -- set-up helpers ------------------------------------------------------------------------
 
@@ -220,7 +224,10 @@ class ZeroEngine:
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         if self._stage3 is None:
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self.wait_params()  # parameters this forward did not touch
         self._stage3.begin_forward()
         try:
             return self.module(*args, **kwargs)
@@ -336,9 +343,15 @@ class ZeroEngine:
                 for s in self._trainable:
                     if s.master.data_ptr() != s.param.data.data_ptr():
                         s.param.data.copy_(s.master.view(s.shape))
-        elif self.stage in (1, 2):
-            gather_into_params(self._trainable, self.compute_dtype, self.world_size, self._ag_group,
-                               int(self.config.zero_optimization.allgather_bucket_size), self.device)
+        elif self._refresh is not None:
+            self._refresh.start()  # completed by the next forward's module pre-hooks (param_gather.py)
+
+    def wait_params(self) -> None:
+        """Stages 1-2: finish the parameter all-gathers still in flight after step(), so that
+        `engine.module`'s parameters hold the updated weights. The engine's own forward and
+        state methods call it; call it before reading the module's parameters yourself."""
+        if self._refresh is not None:
+            self._refresh.finish()
 
     # -- small conveniences --------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], s
     missing = sorted(set(by_name) - set(states))
     if unknown or (strict and missing):
         raise KeyError(f"load_shards: unknown parameters {unknown}, missing parameters {missing}")
+    engine.wait_params()  # no in-flight gather may land after the values loaded here
     with torch.no_grad():
         for name, st in states.items():
             s = by_name[name]
@@ -128,6 +129,7 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], st
     unexpected = [k for k in state_dict if k not in refs]
     if strict and (missing or unexpected):
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    engine.wait_params()
     with torch.no_grad():
         for key, ref in refs.items():
             if key not in state_dict:
