@@ -204,3 +204,38 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_generates(tmp_pa
         a = loaded.generate(x, max_new_tokens=5, do_sample=False)
         b = reference.generate(x, max_new_tokens=5, do_sample=False)
     assert a.shape == (2, SEQ + 5) and torch.equal(a, b)
+
+
+def meta_llama(rank: int, world: int) -> dict[str, Any]:
+    import zeroshard
+
+    torch.manual_seed(0)
+    with zeroshard.zero_init():  # parameters on meta; rotary inv_freq stays a real buffer
+        model = _llama_on_meta()
+    assert all(p.is_meta for p in model.parameters())
+    engine = zeroshard.initialize(model, opt(model.parameters()), {"zero_optimization": {"stage": 3}},
+                                  init_fn=model._init_weights)
+    x = data()[0][:4]
+    return {"state": engine.full_state_dict(), "loss": engine(input_ids=x, labels=x).loss.item(),
+            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+
+
+def _llama_on_meta() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_llama_built_under_zero_init_with_hf_init_weights() -> None:
+    two = run_ranks(meta_llama, 2, timeout=240)[0]
+    three = run_ranks(meta_llama, 3, timeout=240)[0]
+    for k, v in two["state"].items():
+        assert torch.equal(v, three["state"][k]), k  # independent of the world size
+    state = two["state"]
+    assert abs(float(state["model.layers.0.mlp.up_proj.weight"].std()) - 0.02) < 0.003  # initializer_range
+    assert torch.equal(state["model.norm.weight"], torch.ones(32))
+    fresh = make("llama")
+    for n, b in fresh.named_buffers():
+        assert torch.equal(two["buffers"][n], b), n
+    assert abs(two["loss"] - 4.16) < 0.1  # ~ln(64): small random init
