@@ -11,7 +11,7 @@ from torch import nn
 
 import zeroshard
 from distributed import run_ranks
-from test_engine_models import SEQ, VOCAB, Block, TinyGPT, batches, train_step
+from test_engine_models import VOCAB, Block, TinyGPT, batches, train_step
 
 
 class Plain(nn.Module):

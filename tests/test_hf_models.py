@@ -7,7 +7,6 @@ Needs the `test` extra's transformers; skipped (visibly) without it.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
