@@ -127,3 +127,14 @@ def test_load_pretrained_into_meta_built_stage3_engine(tmp_path: Any) -> None:
     for r in out:
         assert r["stored"] == 0  # no full parameter outside a unit's forward/backward
         assert r["master_elems"] <= numel // 2 + 64
+
+
+def test_zero_init_puts_only_parameters_on_meta_and_can_be_disabled() -> None:
+    with zeroshard.zero_init():
+        on_meta = Plain()
+    with zeroshard.zero_init(enabled=False):
+        real = Plain()
+    assert all(p.is_meta for p in on_meta.parameters()) and on_meta.head.weight is on_meta.tok.weight
+    assert not on_meta.scale.is_meta and torch.equal(on_meta.scale, real.scale)
+    assert not any(p.is_meta for p in real.parameters())
+    assert not any(p.is_meta for p in Plain().parameters())  # the patch is gone after the block

@@ -35,15 +35,19 @@ InitFn = Callable[[nn.Module], None]
 
 
 @contextlib.contextmanager
-def zero_init() -> Iterator[None]:
+def zero_init(enabled: bool = True) -> Iterator[None]:
     """Build a model with its parameters on the meta device (buffers stay real).
 
         with zeroshard.zero_init():
             model = MyModel()
         engine = zeroshard.initialize(model, opt, config)   # materialized and sharded here
 
-    The DeepSpeed spelling `deepspeed.zero.Init()` maps to this.
+    The DeepSpeed spelling `deepspeed.zero.Init()` maps to this; enabled=False does nothing
+    (as DeepSpeed's `enabled`).
     """
+    if not enabled:
+        yield
+        return
     original = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
