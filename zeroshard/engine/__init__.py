@@ -16,6 +16,8 @@ Files, one concern each:
   precision.py    compute-dtype casting, fp16 dynamic loss scaling
   optim.py        taking over the user's optimizer (elementwise only) over the fp32 shards
   meta_init.py    zero_init(); materializing a meta-built model module by module
+  offload.py      offload_optimizer: where the fp32 masters (and optimizer state) live
+  param_gather.py stages 1-2: updated params gathered asynchronously, waited for per module
   engine.py       ZeroEngine (forward/backward/step) and initialize()
   state.py        named_shards/load_shards, full_state_dict/load_full_state_dict, engine_state
   memory.py       memory_report()
