@@ -53,7 +53,11 @@ def test_defaults() -> None:
     ({"zero_optimization": {"stage": True}}, "'zero_optimization.stage' has the wrong type"),
     ({"gradient_accumulation_steps": "auto"}, "'gradient_accumulation_steps' is 'auto'"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "mutually exclusive"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload is not supported"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer needs stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "only 'cpu'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+     "'zero_optimization.offload_optimizer.pin_memroy'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "parameter offload is not supported"),
     ({"optimizer": {"type": "Adam"}}, "build the optimizer yourself"),
     ({"scheduler": {"type": "WarmupLR"}}, "lr_scheduler"),
     ({"communication_data_type": "int8"}, "communication_data_type"),
@@ -84,6 +88,11 @@ def test_ignored_deepspeed_keys_warn_once() -> None:
 
 def test_offload_to_none_is_fine() -> None:
     assert ZeroConfig.coerce({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}).stage == 2
+
+
+def test_offload_optimizer_to_cpu_is_accepted() -> None:
+    cfg = ZeroConfig.coerce({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+    assert cfg.zero_optimization.offload_optimizer == {"device": "cpu", "pin_memory": True}
 
 
 def test_batch_sizes_resolve_accumulation() -> None:

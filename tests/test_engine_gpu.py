@@ -64,3 +64,38 @@ def test_nccl_bf16_stage3_tracks_reference() -> None:
     result = run_ranks(gpu_train, world, timeout=300, init_process_group=False, stage=3, dtype="bf16")[0]
     assert_losses_close(result["losses"], ref["losses"], 2e-2)
     assert result["report"]["params"] == 0
+
+
+def gpu_offload(rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
+    import zeroshard
+    from test_engine_models import batches, lm_loss, make_model, micro_batch
+
+    model = make_model()
+    z: dict[str, Any] = {"stage": stage}
+    if offload:
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    engine = zeroshard.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  config={"zero_optimization": z, "gradient_clipping": 0.5})
+    for batch in batches(3, 16):
+        x, y = (t.to(engine.device) for t in micro_batch(batch, rank, world, 0, 1))
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    shards = [info for _, info in engine.named_shards()]
+    states = [t for info in shards for t in info.tensor_state.values()]
+    return {"state": engine.full_state_dict(),
+            "masters": sorted({(i.master.device.type, i.master.is_pinned()) for i in shards}),
+            "opt_state": sorted({t.device.type for t in states}),
+            "params": sorted({p.device.type for p in engine.module.parameters()})}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_optimizer_keeps_state_in_pinned_host_memory(stage: int) -> None:
+    from distributed import run_ranks
+    from test_engine_models import assert_state_close
+
+    world = min(2, torch.cuda.device_count())
+    plain = run_ranks(gpu_offload, world, timeout=300, init_process_group=False, stage=stage, offload=False)[0]
+    off = run_ranks(gpu_offload, world, timeout=300, init_process_group=False, stage=stage, offload=True)[0]
+    assert off["masters"] == [("cpu", True)] and off["opt_state"] == ["cpu"] and off["params"] == ["cuda"]
+    assert plain["masters"] == [("cuda", False)]
+    assert_state_close(off["state"], plain["state"], 1e-4)  # host vs device Adam: summation order only

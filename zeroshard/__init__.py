@@ -9,12 +9,12 @@ from typing import Any
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "ZeroConfig", "ZeroEngine", "CheckpointSaveError", "ZeroshardError", "CheckpointError",
+__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointSaveError", "ZeroshardError", "CheckpointError",
            "StorageError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("initialize", "ZeroConfig", "ZeroEngine"):
+    if name in ("initialize", "zero_init", "ZeroConfig", "ZeroEngine"):
         from zeroshard import engine
 
         return getattr(engine, name)

@@ -15,6 +15,9 @@ Files, one concern each:
   stage3.py       stage-3 units, their gather/free state and every forward/backward hook
   precision.py    compute-dtype casting, fp16 dynamic loss scaling
   optim.py        taking over the user's optimizer (elementwise only) over the fp32 shards
+  meta_init.py    zero_init(); materializing a meta-built model module by module
+  offload.py      offload_optimizer: where the fp32 masters (and optimizer state) live
+  param_gather.py stages 1-2: updated params gathered asynchronously, waited for per module
   engine.py       ZeroEngine (forward/backward/step) and initialize()
   state.py        named_shards/load_shards, full_state_dict/load_full_state_dict, engine_state
   memory.py       memory_report()
@@ -38,5 +41,6 @@ full fp32 weights to rank 0; `engine.load_full_state_dict(sd)` scatters a full o
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.engine import ZeroEngine, initialize
 from zeroshard.engine.layout import ShardInfo
+from zeroshard.engine.meta_init import zero_init
 
-__all__ = ["initialize", "ZeroConfig", "ZeroEngine", "ShardInfo", "ConfigError"]
+__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "ShardInfo", "ConfigError"]

@@ -79,16 +79,19 @@ class Gather:
 
 
 def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
-                 async_op: bool) -> Gather:
-    """All-gather the masters of `shards`, cast to `dtype`, in one collective."""
+                 async_op: bool, device: torch.device | None = None) -> Gather:
+    """All-gather the masters of `shards`, cast to `dtype`, in one collective on `device`
+    (default: the masters'; offloaded masters are copied up from host memory)."""
     offsets, total = [], 0
     for s in shards:
         offsets.append(total)
         total += s.chunk
-    device = shards[0].master.device if shards else torch.device("cpu")
+    if device is None:
+        device = shards[0].master.device if shards else torch.device("cpu")
     inp = torch.empty(total, dtype=dtype, device=device)
     for s, offset in zip(shards, offsets):
-        inp[offset: offset + s.chunk].copy_(s.master)
+        # From pinned host memory this is asynchronous, ordered before the collective.
+        inp[offset: offset + s.chunk].copy_(s.master, non_blocking=s.master.is_pinned())
     out = torch.empty(world * total, dtype=dtype, device=device)
     work = all_gather(out, inp, group, async_op=async_op) if total else None
     return Gather(list(shards), offsets, total, out, work if async_op else None)
@@ -108,9 +111,10 @@ def buckets(shards: Iterable[ParamShard], world: int, bucket_elems: int) -> list
 
 
 def gather_into_params(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
-                       bucket_elems: int) -> None:
+                       bucket_elems: int, device: torch.device | None = None) -> None:
     """Refresh the full module parameters from every rank's masters (stages 1 and 2, after a step)."""
     with torch.no_grad():
         for bucket in buckets(shards, world, bucket_elems):
             # `.data`: autograd must not see this write (no version-counter bump on the leaf).
-            start_gather(bucket, dtype, world, group, async_op=False).copy_out([s.param.data for s in bucket])
+            start_gather(bucket, dtype, world, group, async_op=False, device=device).copy_out(
+                [s.param.data for s in bucket])

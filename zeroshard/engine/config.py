@@ -141,10 +141,22 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if int(getattr(z, key)) < 1:
                 raise ConfigError(f"zero_optimization.{key} must be >= 1")
-        for key in ("offload_optimizer", "offload_param"):
-            device = (getattr(z, key) or {}).get("device", "none")
-            if device not in (None, "none"):
-                raise ConfigError(f"zero_optimization.{key}.device={device!r}: offload is not supported")
+        device = (z.offload_param or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(f"zero_optimization.offload_param.device={device!r}: parameter offload is "
+                              "not supported (offload_optimizer is)")
+        spec = z.offload_optimizer or {}
+        unknown = sorted(set(spec) - {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path"})
+        if unknown:
+            raise ConfigError(f"unknown config key 'zero_optimization.offload_optimizer.{unknown[0]}'")
+        device = spec.get("device", "none")
+        if device not in (None, "none", "cpu"):
+            raise ConfigError(f"zero_optimization.offload_optimizer.device={device!r}: only 'cpu' (or 'none') "
+                              "is supported")
+        if device == "cpu" and z.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3")
+        if not isinstance(spec.get("pin_memory", False), bool):
+            raise ConfigError("zero_optimization.offload_optimizer.pin_memory must be true or false")
         if self.bf16.enabled and self.fp16.enabled:
             raise ConfigError("bf16.enabled and fp16.enabled are mutually exclusive")
         if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 1:

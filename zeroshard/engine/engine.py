@@ -33,9 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.engine import memory, state
-from zeroshard.engine.collectives import all_gather, ensure_process_group, gather_into_params
+from zeroshard.engine.collectives import all_gather, ensure_process_group
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
+from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
+from zeroshard.engine.offload import master_device
+from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
@@ -49,11 +52,16 @@ _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter
 
 def initialize(model: nn.Module,
                optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> "ZeroEngine":
+               config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
+               init_fn: Callable[[nn.Module], None] | None = None) -> "ZeroEngine":
     """Wrap `model` and `optimizer` in a ZeroEngine (creating the process group if needed).
 
     Every rank must call this with the same model structure and config. Input errors found on
     any rank are raised on every rank (nobody is left waiting in a collective).
+
+    A model built on the meta device (`torch.device("meta")` or `zeroshard.zero_init()`) is
+    materialized here one module at a time (stage 3: never whole), each module initialized by
+    `init_fn(module)` if given, else by its `reset_parameters()`; see meta_init.py.
     """
     device = ensure_process_group()
     cfg, error = None, None
@@ -66,10 +74,13 @@ def initialize(model: nn.Module,
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
                             f"not {type(optimizer).__name__}")
         cfg.resolve_accumulation(dist.get_world_size())
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable, not {type(init_fn).__name__}")
+        check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
     _agree(error, cfg, model, device)
-    return ZeroEngine(model, optimizer, cfg, device)
+    return ZeroEngine(model, optimizer, cfg, device, init_fn=init_fn)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -126,7 +137,8 @@ class ZeroEngine:
     shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0).
     """
 
-    def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device,
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         self.config = config
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -140,38 +152,61 @@ class ZeroEngine:
         self._backward_done = self._in_backward = self._reducing = False
         z = config.zero_optimization
 
-        self.module = module.to(device)
         self.group = dist.group.WORLD
+        # Meta-built model: real tensors replace the meta ones; values come from materialize(),
+        # here at stages 0-2 (whole model), after sharding at stage 3 (module by module).
+        meta = MetaInit(module, device, storage=self.stage < 3) if has_meta(module) else None
+        if meta is not None:
+            meta.remap_optimizer(optimizer)
+            if self.stage < 3:
+                meta.materialize(init_fn, lambda p, value: p.data.copy_(value), device, self.group)
+        self.module = module.to(device)
         # Separate groups so gradient reductions and parameter gathers launched from hooks
         # never need a common order with each other, only among themselves.
         self._rs_group = dist.new_group()
         self._ag_group = dist.new_group()
-        self._broadcast_from_rank0()
+        self._broadcast_from_rank0(params=meta is None or self.stage < 3)
 
-        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank, device)
+        # offload_optimizer: masters (so gradient shards and optimizer state) in host memory.
+        self.master_device, pin = master_device(config, device)
+        self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank,
+                                                     self.master_device, pin=pin,
+                                                     pending=meta.pending if meta is not None else ())
         self._trainable = [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
         self._cast_module()
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
         self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
-                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate) if self.stage == 3 else None
+                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate, device) if self.stage == 3 else None
+        if meta is not None and self.stage == 3:
+            meta.materialize(init_fn, self._set_master, device, self.group)
+            self._broadcast_from_rank0(params=False)
         self.optimizer = build_optimizer(optimizer, self.shards)
         self.scaler = LossScaler(config.fp16)
         self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
                                    all_reduce=self.stage == 0, reduce_dtype=config.reduce_dtype,
-                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm)
+                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm,
+                                   device=device)
         self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
                        for s in self._trainable]
+        # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
+        self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
+                                     int(z.allgather_bucket_size), device) if self.stage in (1, 2) else None
 
     # -- set-up helpers ------------------------------------------------------------------------
 
-    def _broadcast_from_rank0(self) -> None:
+    def _broadcast_from_rank0(self, params: bool = True) -> None:
         """Start every rank from rank 0's weights and buffers (as DDP does)."""
         if self.world_size == 1:
             return
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in (list(self.module.parameters()) if params else []) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=0, group=self.group)
+
+    def _set_master(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Meta init at stage 3: keep this rank's range of a freshly initialized full parameter."""
+        s = self._shard_by_param[id(param)]
+        s.master[: s.owned].copy_(value.reshape(-1)[s.start: s.end])
 
     def _cast_module(self) -> None:
         """Module params to the compute dtype (the masters already hold the fp32 values)."""
@@ -189,7 +224,10 @@ class ZeroEngine:
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         if self._stage3 is None:
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self.wait_params()  # parameters this forward did not touch
         self._stage3.begin_forward()
         try:
             return self.module(*args, **kwargs)
@@ -269,10 +307,11 @@ class ZeroEngine:
         coef = 1.0 / scale
         if clip > 0 or self.scaler.enabled:
             # One number serves both: the global norm, and (non-finite) the fp16 overflow flag.
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            sq = torch.zeros((), dtype=torch.float32, device=self.master_device)
             for g in grads:
                 sq += g.pow(2).sum()
             if self.shard_world_size > 1:
+                sq = sq.to(self.device)  # offloaded grads: the norm is summed on the host, reduced here
                 dist.all_reduce(sq, group=self.group)
             total = sq.item()
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
@@ -304,9 +343,15 @@ class ZeroEngine:
                 for s in self._trainable:
                     if s.master.data_ptr() != s.param.data.data_ptr():
                         s.param.data.copy_(s.master.view(s.shape))
-        elif self.stage in (1, 2):
-            gather_into_params(self._trainable, self.compute_dtype, self.world_size, self._ag_group,
-                               int(self.config.zero_optimization.allgather_bucket_size))
+        elif self._refresh is not None:
+            self._refresh.start()  # completed by the next forward's module pre-hooks (param_gather.py)
+
+    def wait_params(self) -> None:
+        """Stages 1-2: finish the parameter all-gathers still in flight after step(), so that
+        `engine.module`'s parameters hold the updated weights. The engine's own forward and
+        state methods call it; call it before reading the module's parameters yourself."""
+        if self._refresh is not None:
+            self._refresh.finish()
 
     # -- small conveniences --------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ Collective buffers put rank r's chunks in row r: a bucket of params with chunks 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Container, Iterator
 
 import torch
 from torch import nn
@@ -94,15 +94,19 @@ def unique_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramet
     yield from module.named_parameters(remove_duplicate=True)
 
 
-def build_shards(module: nn.Module, world: int, rank: int, device: torch.device) -> list[ParamShard]:
-    """A ParamShard per unique parameter, with fp32 masters copied from the current values."""
+def build_shards(module: nn.Module, world: int, rank: int, device: torch.device,
+                 pending: Container[int] = (), pin: bool = False) -> list[ParamShard]:
+    """A ParamShard per unique parameter, with fp32 masters copied from the current values
+    (zeros for the params in `pending`, whose values come later: see meta_init.py)."""
     shards = []
     for index, (name, p) in enumerate(unique_named_parameters(module)):
         numel = p.numel()
         start, end = shard_range(numel, world, rank)
         chunk = chunk_size(numel, world)
-        master = torch.zeros(chunk, dtype=torch.float32, device=device)
-        master[: end - start].copy_(p.detach().reshape(-1)[start:end])
+        master = (torch.zeros(chunk, dtype=torch.float32, device=device) if not pin
+                  else torch.zeros(chunk, dtype=torch.float32, pin_memory=True))  # offload.py
+        if id(p) not in pending:
+            master[: end - start].copy_(p.detach().reshape(-1)[start:end])
         shards.append(ParamShard(index, name, p, p.shape, p.dtype, start, end, chunk,
                                  p.requires_grad, master))
     return shards

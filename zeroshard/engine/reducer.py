@@ -41,7 +41,8 @@ class GradReducer:
     """Bucketed gradient reduction into `shard.master.grad` (fp32, averaged over ranks)."""
 
     def __init__(self, shards: Sequence[ParamShard], world: int, group: Any, all_reduce: bool,
-                 reduce_dtype: torch.dtype, bucket_elems: int, overlap: bool) -> None:
+                 reduce_dtype: torch.dtype, bucket_elems: int, overlap: bool,
+                 device: torch.device | None = None) -> None:
         self.world = world  # the partition's world size (1 at stage 0)
         self.group = group
         self.ranks = dist.get_world_size(group)  # how many gradients get averaged
@@ -52,6 +53,8 @@ class GradReducer:
         # Low-precision sums may overflow: divide before communicating, not after.
         self.predivide = reduce_dtype != torch.float32
         self.shards = list(shards)
+        # Where buckets live and collectives run; masters (and master.grad) may be on the host.
+        self.device = device or (self.shards[0].master.device if self.shards else torch.device("cpu"))
         self._build([s.index for s in reversed(self.shards)])
         self._seen: list[int] | None = []  # arrival order, recorded until the one rebuild
         self._next = 0  # first bucket not launched yet
@@ -109,7 +112,7 @@ class GradReducer:
 
     def _alloc(self, bucket: _Bucket) -> None:
         bucket.buf = torch.zeros(self.world * bucket.total, dtype=self.dtype,
-                                 device=bucket.shards[0].master.device)
+                                 device=self.device)
         self._account(bucket.buf.numel() * bucket.buf.element_size())
 
     def _account(self, nbytes: int) -> None:
@@ -157,6 +160,8 @@ class GradReducer:
                     bucket.work.wait()
                 for s, offset in zip(bucket.shards, bucket.offsets):
                     part = bucket.out[offset: offset + s.chunk].to(torch.float32) * scale
+                    if part.device != s.master.device:
+                        part = part.to(s.master.device)  # offloaded: the shard's gradient goes down
                     if s.master.grad is None:
                         s.master.grad = part
                     else:
@@ -188,7 +193,7 @@ class GradReducer:
         self._seen = None
         if not self.shards:
             return
-        t = torch.tensor(seen + rest, dtype=torch.int64, device=self.shards[0].master.device)
+        t = torch.tensor(seen + rest, dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._build(t.tolist())
 

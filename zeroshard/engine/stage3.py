@@ -103,8 +103,9 @@ class Stage3:
 
     def __init__(self, module: nn.Module, shards: Sequence[ParamShard], dtype: torch.dtype,
                  world: int, group: Any, prefetch: bool, classes: Sequence[str],
-                 predicate: Callable[[nn.Module], bool] | None) -> None:
+                 predicate: Callable[[nn.Module], bool] | None, device: torch.device | None = None) -> None:
         self.dtype, self.world, self.group, self.prefetch = dtype, world, group, prefetch
+        self.device = device  # where full parameters live (masters may be offloaded to the host)
         self.units = plan_units(module, shards, classes, predicate)
         self.units_of: dict[int, list[Unit]] = {}
         for u in self.units:
@@ -122,7 +123,7 @@ class Stage3:
                       "peak_gathered_bytes": 0}
         with torch.no_grad():
             for s in shards:  # the full-size parameter keeps its shape but loses its storage
-                s.param.data = torch.empty(s.shape, dtype=dtype, device=s.master.device)
+                s.param.data = torch.empty(s.shape, dtype=dtype, device=device or s.master.device)
                 _free(s.param)
         self.handles = []
         for u in self.units:
@@ -140,7 +141,8 @@ class Stage3:
         if gather is not None:
             self.stats["prefetch_hits"] += 1
         elif any(need):
-            gather = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=False)
+            gather = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=False,
+                                  device=self.device)
             self.stats["gathers"] += 1
         if gather is not None:
             with torch.no_grad():
@@ -166,7 +168,8 @@ class Stage3:
 
     def _prefetch(self, unit: Unit) -> None:
         if not unit.held and unit.prefetch is None:
-            unit.prefetch = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=True)
+            unit.prefetch = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=True,
+                                         device=self.device)
             self.stats["prefetches"] += 1
 
     def _advance(self, unit: Unit) -> None:

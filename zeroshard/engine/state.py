@@ -45,6 +45,7 @@ def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], s
     missing = sorted(set(by_name) - set(states))
     if unknown or (strict and missing):
         raise KeyError(f"load_shards: unknown parameters {unknown}, missing parameters {missing}")
+    engine.wait_params()  # no in-flight gather may land after the values loaded here
     with torch.no_grad():
         for name, st in states.items():
             s = by_name[name]
@@ -80,7 +81,7 @@ def _masters_to_params(engine: "ZeroEngine", shards: list) -> None:
                     s.param.data.copy_(s.master.view(s.shape))
         return
     gather_into_params(engine.shards, engine.compute_dtype, engine.world_size, engine._ag_group,
-                       int(engine.config.zero_optimization.allgather_bucket_size))
+                       int(engine.config.zero_optimization.allgather_bucket_size), engine.device)
 
 
 def full_state_dict(engine: "ZeroEngine") -> dict[str, Any]:
@@ -110,8 +111,9 @@ def _gather_full(engine: "ZeroEngine", s: Any) -> torch.Tensor | None:
     if engine.shard_world_size == 1:
         return s.master[: s.numel].detach().to("cpu").clone().view(s.shape)
     root = engine.rank == 0
-    parts = [torch.empty_like(s.master) for _ in range(engine.world_size)] if root else None
-    dist.gather(s.master.detach(), parts, dst=0, group=engine.group)
+    mine = s.master.detach().to(engine.device)  # offloaded masters: the collective runs on the device
+    parts = [torch.empty_like(mine) for _ in range(engine.world_size)] if root else None
+    dist.gather(mine, parts, dst=0, group=engine.group)
     if not root:
         return None
     full = torch.empty(s.numel, dtype=torch.float32)
@@ -127,6 +129,7 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], st
     unexpected = [k for k in state_dict if k not in refs]
     if strict and (missing or unexpected):
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    engine.wait_params()
     with torch.no_grad():
         for key, ref in refs.items():
             if key not in state_dict:
