@@ -179,7 +179,7 @@ def _load_deepspeed_folder(rank, world_size, path):
     import zeroshard.deepspeed as deepspeed
     from zeroshard.errors import CheckpointError
 
-    with deepspeed.zero.Init():  # accepted: the model is partitioned at initialize
+    with deepspeed.zero.Init():  # parameters on meta until initialize materializes them
         model = make_model(0)
     engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 2}})
     try:
@@ -195,3 +195,26 @@ def test_loading_a_deepspeed_folder_says_how_to_convert_it():
     path = str(Path(__file__).parent / "data" / "deepspeed" / "stage2")
     message = run_ranks(_load_deepspeed_folder, 2, path=path, init_process_group=False)[0]
     assert message and "zeroshard import deepspeed" in message and "\n" not in message
+
+
+def _zero_init_defers(rank, world_size):
+    import torch
+
+    import zeroshard.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        deferred = make_model(0)
+    on_meta = all(p.is_meta for p in deferred.parameters())
+    engine, *_ = deepspeed.initialize(model=deferred, config={**CONFIG, "zero_optimization": {"stage": 3}})
+    torch.manual_seed(0)
+    eager = make_model(0)
+    full = engine.module_state_dict() if hasattr(engine, "module_state_dict") else None
+    state = engine.engine.full_state_dict() if full is None else full
+    same = all(torch.equal(state[k].cpu(), v) for k, v in eager.state_dict().items()) if rank == 0 else True
+    return on_meta, same
+
+
+def test_zero_init_builds_on_meta_and_initialize_materializes_the_same_weights():
+    for on_meta, same in run_ranks(_zero_init_defers, 2, init_process_group=False):
+        assert on_meta and same

@@ -1,8 +1,11 @@
-"""deepspeed.zero: Init (accepted, builds nothing yet) and GatheredParameters.
+"""deepspeed.zero: Init and GatheredParameters.
 
-Init: DeepSpeed partitions parameters as the model is built. zeroshard builds the full model
-and partitions at initialize(); the context is accepted so scripts run unchanged (the model must
-then fit in host memory once per rank).
+Init(enabled=True, ...) is zeroshard.zero_init(): parameters built inside it are created on the
+meta device, and initialize() materializes the model module by module (at stage 3 never whole
+on any rank), initializing each module with its reset_parameters(). DeepSpeed's other arguments
+(remote_device, config_dict_or_path, dtype, ...) are accepted and ignored. A module whose
+parameters are set in __init__ beyond reset_parameters() is refused at initialize() with a
+one-line error: build it outside Init (docs/DEEPSPEED.md).
 
 GatheredParameters(params, modifier_rank=None): a collective, every rank enters it. At stage 3
 each parameter gets its full value (gathered from the fp32 master shards) for the duration of
@@ -13,7 +16,6 @@ engine's load_shards), so in-place initialisation inside the block takes effect.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any
 
@@ -21,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 _ENGINE_ATTR = "_zeroshard_engine"
-_warned_init = False
 
 
 def register_engine(engine: Any) -> None:
@@ -32,21 +33,20 @@ def register_engine(engine: Any) -> None:
 
 
 class Init:
-    """Accepted for compatibility; parameters are partitioned at initialize(), not here."""
+    """DeepSpeed's zero.Init, as zeroshard.zero_init (parameters on meta until initialize)."""
 
     def __init__(self, module: Any = None, *args: Any, enabled: bool = True, **kwargs: Any) -> None:
+        from zeroshard.engine.meta_init import zero_init
+
         self.enabled = enabled
+        self._context = zero_init(enabled=enabled)
 
     def __enter__(self) -> "Init":
-        global _warned_init
-        if self.enabled and not _warned_init:
-            _warned_init = True
-            warnings.warn("zeroshard.deepspeed.zero.Init builds the full model; parameters are partitioned at "
-                          "initialize() (see docs/DEEPSPEED.md)", stacklevel=2)
+        self._context.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        self._context.__exit__(*exc)
 
 
 class GatheredParameters:
