@@ -181,25 +181,29 @@ def test_disk_full_half_way_through_an_overwrite_keeps_the_old_output(tmp_path):
     assert run_cli("verify", "-q", str(out))[0] == 0
 
 
+# The CLI, SIGKILLed once the first input file was copied into its output.
+KILLED_AFTER_ONE_INPUT = (
+    "import os, signal, sys\n"
+    "from zeroshard.toolkit import transfer\n"
+    "real = transfer._copy_from_input\n"
+    "calls = []\n"
+    "def dying(*a, **k):\n"
+    "    calls.append(1)\n"
+    "    if len(calls) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return real(*a, **k)\n"
+    "transfer._copy_from_input = dying\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
 def test_a_killed_writer_leaves_old_output_intact_and_the_next_run_cleans_up(ckpt, tmp_path):
     """SIGKILL half-way through an overwrite: the old output still verifies; the hidden stage it
     left is removed by the next run into the same output (its owner is dead)."""
     out = tmp_path / "out"
     assert run_cli("reshard", "-q", str(ckpt), "--to", "2", "-o", str(out))[0] == 0
     before = snapshot(out)
-    script = (
-        "import os, signal, sys\n"
-        "from zeroshard.toolkit import transfer\n"
-        "real = transfer._copy_from_input\n"
-        "calls = []\n"
-        "def dying(*a, **k):\n"  # killed after the first input file was copied
-        "    calls.append(1)\n"
-        "    if len(calls) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(*a, **k)\n"
-        "transfer._copy_from_input = dying\n"
-        "from zeroshard.cli import main\n"
-        "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
-        "main()\n")
+    script = KILLED_AFTER_ONE_INPUT
     result = subprocess.run([sys.executable, "-c", script, "reshard", "-q", "--overwrite", str(ckpt), "--to", "2",
                              "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
@@ -256,19 +260,7 @@ def test_a_huge_latest_file_is_an_error_of_one_short_line(tmp_path):
 
 
 def test_a_killed_consolidate_leaves_a_temp_that_the_next_run_removes(ckpt, tmp_path):
-    script = (
-        "import os, signal, sys\n"
-        "from zeroshard.toolkit import transfer\n"
-        "real = transfer._copy_from_input\n"
-        "calls = []\n"
-        "def dying(*a, **k):\n"  # killed after the first input file was copied
-        "    calls.append(1)\n"
-        "    if len(calls) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(*a, **k)\n"
-        "transfer._copy_from_input = dying\n"
-        "from zeroshard.cli import main\n"
-        "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
-        "main()\n")
+    script = KILLED_AFTER_ONE_INPUT
     out = tmp_path / "export"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"the old export")

@@ -39,13 +39,11 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_toolkit import parse_count  # noqa: E402  (one way to read "40M")
+
 BUCKET = "bench"
 CLK = os.sysconf("SC_CLK_TCK")
-
-
-def parse_count(text: str) -> int:
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
-    return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
 
 
 def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
