@@ -24,7 +24,6 @@ the rank files holding them), each in a fresh process, wall time and peak RSS
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys

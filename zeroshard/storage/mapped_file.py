@@ -20,7 +20,6 @@ import mmap
 import os
 import uuid
 
-from zeroshard.errors import StorageError
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_tag
 
@@ -120,13 +119,18 @@ class MappedOutput:
     def commit(self) -> None:
         """Move the temp file to its name (durability: Location.fsync before anything vouches for it)."""
         self.close()
-        with storage_errors(self.where):
-            os.replace(self.temp_path, self.location._full(self.name))
+        move_into_place(self.location, self.temp_path, self.name)
 
     def discard(self) -> None:
         self.close()
         with contextlib.suppress(OSError):
             os.unlink(self.temp_path)
+
+
+def move_into_place(location: Location, temp_path: str, name: str) -> None:
+    """Rename a finished temp file (of this process or a worker's) to `name` in `location`."""
+    with storage_errors(location.url_of(name)):
+        os.replace(temp_path, location._full(name))
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -139,6 +143,3 @@ def _allocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: best effort
 
 
-def check_writable_view(out: MappedOutput, begin: int, length: int) -> None:
-    if begin < 0 or begin + length > out.size:
-        raise StorageError(out.where, f"writer bug: bytes [{begin}, {begin + length}) outside a {out.size}-byte file")

@@ -10,7 +10,7 @@ each finished file. Work splits by output (whole files, or tensor ranges of one 
 tasks that run in this process or in `workers` processes (spawned: no torch, no fork hazards).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
-(zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_range).
+(zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_planned).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import CheckpointReader, fragments_of
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
-from zeroshard.storage.location import Location, storage_errors
-from zeroshard.storage.mapped_file import MappedOutput
+from zeroshard.storage.location import Location
+from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
@@ -187,8 +187,7 @@ def discard(finished: Iterable[Finished]) -> None:
 def commit(target: Location, finished: Iterable[Finished]) -> None:
     """Move finished outputs to their names (fsync first where durability is needed: Location.fsync)."""
     for f in finished:
-        with storage_errors(target.url_of(f.name)):
-            os.replace(f.temp_path, target._full(f.name))
+        move_into_place(target, f.temp_path, f.name)
 
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
