@@ -203,10 +203,21 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
                 outputs[i].view[:len(plan.header)] = plan.header
             else:
                 outputs[i] = MappedOutput.attach(target, plan.name, job.temp_paths[i], plan.size)
-        needed = _pieces_by_input(job.manifest.world_size, plans, task)
+        # small local inputs: flat tensors copied as they are go through numpy (gather.py)
+        vectorize = source.local and max(f.size for f in job.manifest.files) <= WINDOW_BYTES
+        needed, flat = _pieces_by_input(job.manifest.world_size, plans, task, vectorize)
+        spans = {}
+        if flat:
+            from zeroshard.toolkit import gather
+
+            pieces = gather.plan_flat(job.manifest.world_size, flat)
+            spans = {rank: (first, end) for rank, first, end in pieces.ranks()}
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
-            for rank in sorted(needed):
-                _copy_from_input(reader, rank, needed[rank], outputs, progress)
+            for rank in sorted(set(needed) | set(spans)):
+                if rank in spans:
+                    gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
+                if rank in needed:
+                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
@@ -225,8 +236,12 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 Piece = tuple[int, int, int, int, str]
 
 
-def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task) -> dict[int, dict[str, list[Piece]]]:
+def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
+                     vectorize: bool = False) -> tuple[dict[int, dict[str, list[Piece]]], list[tuple]]:
+    """Pieces by input rank and tensor; with `vectorize`, flat tensors copied without a cast are
+    returned instead as (output, name, start, end, begin, numel, itemsize) rows for gather.py."""
     needed: dict[int, dict[str, list[Piece]]] = {}
+    flat: list[tuple] = []
     for index in task.outputs:
         tensors = plans[index].tensors
         chosen = range(len(tensors)) if task.tensors is None else task.tensors[index]
@@ -234,6 +249,9 @@ def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task) -> di
             _, source, start, end, dtype, _, begin = tensors[i]
             name = source.name
             out_size = DTYPE_SIZES[dtype]
+            if vectorize and source.layout == "flat" and dtype == source.dtype:
+                flat.append((index, name, start, end, begin, source.numel, out_size))
+                continue
             if source.layout == "flat":  # zeroshard.partition.holders, inlined: the hot loop of a big reshard
                 numel = source.numel
                 chunk = -(-numel // world)
@@ -256,7 +274,7 @@ def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task) -> di
                 lo, hi = max(start, frag_start), min(end, frag_end)
                 needed.setdefault(rank, {}).setdefault(name, []).append(
                     (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype))
-    return needed
+    return needed, flat
 
 
 def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, list[Piece]],
