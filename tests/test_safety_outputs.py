@@ -181,17 +181,17 @@ def test_disk_full_half_way_through_an_overwrite_keeps_the_old_output(tmp_path):
     assert run_cli("verify", "-q", str(out))[0] == 0
 
 
-# The CLI, SIGKILLed once the first input file was copied into its output.
+# The CLI, SIGKILLed when it opens its second input file (the first one's data is copied).
 KILLED_AFTER_ONE_INPUT = (
     "import os, signal, sys\n"
-    "from zeroshard.toolkit import transfer\n"
-    "real = transfer._copy_from_input\n"
-    "calls = []\n"
-    "def dying(*a, **k):\n"
-    "    calls.append(1)\n"
-    "    if len(calls) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
-    "    return real(*a, **k)\n"
-    "transfer._copy_from_input = dying\n"
+    "from zeroshard.format import reader\n"
+    "real = reader.CheckpointReader.open_file\n"
+    "seen = set()\n"
+    "def dying(self, rank):\n"
+    "    seen.add(rank)\n"
+    "    if len(seen) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return real(self, rank)\n"
+    "reader.CheckpointReader.open_file = dying\n"
     "from zeroshard.cli import main\n"
     "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
     "main()\n")
