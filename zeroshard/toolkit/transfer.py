@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry
+from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
 from zeroshard.format.reader import CheckpointReader, fragments_of
-from zeroshard.format.writer import hash_table_bytes
+from zeroshard.format.writer import hash_table_bytes, rank_metadata
 from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
@@ -98,9 +98,6 @@ class RankFilePlans:
         self.count = world_size
 
     def plan(self, rank: int) -> OutputPlan:
-        from zeroshard.format.manifest import rank_contents, rank_file_name
-        from zeroshard.format.writer import rank_metadata
-
         return plan_output(rank_file_name(rank, self.world_size),
                            [(t.name, t, start, end, t.dtype, (end - start,))
                             for t, start, end in rank_contents(self.tensors, self.world_size, rank)],
