@@ -29,8 +29,8 @@ def _torchrun(script: Path, out: Path, *args: str, env: dict | None = None) -> l
     for attempt in range(2):
         cmd[cmd.index("--master-port") + 1] = str(free_port())
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env, cwd=ROOT)
-        # A rank killed by a signal at start-up (a gloo rendezvous abort, seen ~1 launch in 10 on a
-        # loaded machine, with or without zeroshard) is launched once more; any other failure is final.
+        # A rank aborted by gloo (SIGABRT; seen about 1 launch in 10 on a loaded 2-core machine,
+        # with DeepSpeed, FSDP2 and zeroshard alike) is launched once more; any other failure is final.
         if proc.returncode == 0 or "Signal 6 (SIGABRT)" not in proc.stdout + proc.stderr:
             break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
