@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import struct
-import resource
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from checkpoints import save_model, training_state, write_checkpoint
+from test_bad_input import _cli_with_file_size_limit
 from zeroshard.cli import main
 
 RANK0 = "rank-00000-of-00003.safetensors"
@@ -156,14 +156,6 @@ def test_failed_consolidate_overwrite_keeps_the_old_hf_export(ckpt, tmp_path):
     code, output = run_cli("consolidate", "-q", "--overwrite", str(ckpt), str(out))  # now one file fits
     assert code == 0, output
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-
-
-def _cli_with_file_size_limit(limit: int, *args) -> subprocess.CompletedProcess:
-    def limit_writes():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return subprocess.run([sys.executable, "-m", "zeroshard.cli", *args], capture_output=True, text=True,
-                          preexec_fn=limit_writes, timeout=120)
 
 
 def test_disk_full_half_way_through_an_overwrite_keeps_the_old_output(tmp_path):

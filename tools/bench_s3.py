@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from bench_toolkit import parse_count  # noqa: E402  (one way to read "40M")
+from bench_toolkit import noise_fill, parse_count  # noqa: E402  (shared with the toolkit bench)
 
 BUCKET = "bench"
 CLK = os.sysconf("SC_CLK_TCK")
@@ -70,14 +70,7 @@ def build_checkpoint(url: str, params: int, world_size: int, role_major: bool = 
             specs.append(TensorSpec(f"optimizer/{state}/{name}", "optimizer", "F32", shape, param=name, state=state))
     if role_major:  # all weights first in every rank file, then each optimizer state
         specs.sort(key=lambda s: (s.role != "param", s.state or ""))
-    noise = memoryview(os.urandom(16 * 1024 * 1024))
-
-    def fill(spec, start, end, write):
-        remaining = (end - start) * 4
-        while remaining:
-            n = min(remaining, len(noise))
-            write(noise[:n])
-            remaining -= n
+    fill = noise_fill()
 
     location = Location(url)
     checkpoint_id = uuid.uuid4().hex

@@ -52,6 +52,21 @@ def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def noise_fill():
+    """A format-writer fill callback writing random bytes for fp32 fragments (one 16 MiB buffer,
+    reused: content does not change I/O or hashing speed)."""
+    noise = memoryview(os.urandom(16 * 1024 * 1024))
+
+    def fill(spec, start, end, write):
+        remaining = (end - start) * 4
+        while remaining:
+            n = min(remaining, len(noise))
+            write(noise[:n])
+            remaining -= n
+
+    return fill
+
+
 def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int, int]:
     """Write the synthetic checkpoint; returns (parameter count, total bytes, largest tensor bytes)."""
     from zeroshard.format import (TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder,
@@ -64,14 +79,7 @@ def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int
         for state in ("exp_avg", "exp_avg_sq"):
             specs.append(TensorSpec(f"optimizer/{state}/{name}", "optimizer", "F32", shape, param=name, state=state))
         specs.append(TensorSpec(f"optimizer/step/{name}", "optimizer", "F32", (), "whole", param=name, state="step"))
-    noise = memoryview(os.urandom(16 * 1024 * 1024))  # reused: content does not change I/O or hashing speed
-
-    def fill(spec, start, end, write):
-        remaining = (end - start) * 4
-        while remaining:
-            n = min(remaining, len(noise))
-            write(noise[:n])
-            remaining -= n
+    fill = noise_fill()
 
     location = Location(str(path))
     prepare_output_folder(location, overwrite=True)
