@@ -23,16 +23,16 @@ def overlap(rank: int, world: int, stage: int) -> dict[str, Any]:
     engine.backward(lm_loss(engine(x), y))
     before = model.blocks[0].fc2.weight.detach().clone()
     engine.step()
-    out: dict[str, Any] = {"buckets": len(engine._refresh.buckets), "pending_after_step": engine._refresh.pending,
-                           "done_after_step": engine._refresh.done}
+    out: dict[str, Any] = {"buckets": len(engine.param_refresh.buckets), "pending_after_step": engine.param_refresh.pending,
+                           "done_after_step": engine.param_refresh.done}
     seen = {}
     # Runs after the engine's pre-hook (registered at initialize): sees what fc2's forward sees.
     model.blocks[0].fc2.register_forward_pre_hook(
-        lambda m, a: seen.update(stale=torch.equal(m.weight, before), done=engine._refresh.done))
+        lambda m, a: seen.update(stale=torch.equal(m.weight, before), done=engine.param_refresh.done))
     engine(x)
     out["fc2_saw_old_weights"] = seen["stale"]
     out["done_at_fc2"] = seen["done"]
-    out["pending_after_forward"] = engine._refresh.pending
+    out["pending_after_forward"] = engine.param_refresh.pending
     full = engine.full_state_dict()
     out["params_equal_masters"] = (rank != 0) or all(
         torch.equal(p.detach(), full[n]) for n, p in model.named_parameters() if n in full)

@@ -45,12 +45,12 @@ def probe(rank: int, world: int, unit_classes: list[str]) -> dict[str, Any]:
         out = engine.eval()(micro_batch(batches(1, 8)[0], rank, world, 0, 1)[0])
     seen["eval_finite"] = bool(out.isfinite().all())
     seen["after_eval"] = engine.memory_report()["params"]
-    seen["stats"] = dict(engine._stage3.stats)
-    seen["traces"] = {k: len(v) for k, v in engine._stage3.traces.items()}
+    seen["stats"] = dict(engine.stage3_scheduler.stats)
+    seen["traces"] = {k: len(v) for k, v in engine.stage3_scheduler.traces.items()}
     seen["reducer_peak"] = engine.reducer.peak_held
     seen["buckets"] = len(engine.reducer.buckets)
     seen["largest_bucket"] = max(b.total * (world + 1) * 4 for b in engine.reducer.buckets)  # fp32 in + out
-    seen["units"] = [u.name for u in engine._stage3.units]
+    seen["units"] = [u.name for u in engine.stage3_scheduler.units]
     seen["total_bytes"] = total_bytes
     return seen
 

@@ -1,4 +1,5 @@
-"""The state interface the checkpoint code builds on: named_shards / load_shards, full state dicts.
+"""The state interface the checkpoint code builds on: checkpoint_state / restore (the EngineState
+contract), named_shards / load_shards, full state dicts.
 
 - named_shards follows zeroshard.partition exactly (ranges, chunk sizes, zero padding) and
   carries the optimizer state in the same layout;
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -42,7 +44,9 @@ def _snapshot(engine: Any) -> dict[str, Any]:
                         "fragment": info.fragment.clone(),
                         "tensor_state": {k: v[: info.end - info.start].clone() for k, v in info.tensor_state.items()},
                         "scalar_state": {k: v.clone() if torch.is_tensor(v) else v for k, v in info.scalar_state.items()}}
-    return {"shards": shards, "engine": engine.engine_state()}
+    state = engine.checkpoint_state()
+    return {"shards": shards, "engine": {"counters": state.counters, "loss_scaler": dict(state.loss_scaler),
+                                         "param_groups": state.param_groups}}
 
 
 def roundtrip(rank: int, world: int, stage: int) -> dict[str, Any]:
@@ -81,11 +85,10 @@ def roundtrip(rank: int, world: int, stage: int) -> dict[str, Any]:
     out["b_full"] = b.full_state_dict()
     out["a_full"] = full
 
-    # shards + engine state into a third engine: it continues exactly like the first.
+    # a's whole EngineState restored into a third engine: it continues exactly like the first
+    # (and shares nothing with it: restore copies unless told to adopt).
     c = _engine(stage, seed=9)
-    c.load_shards({n: {"fragment": s.fragment, "optimizer_state": s.optimizer_state}
-                   for n, s in a.named_shards()})
-    c.load_engine_state(a.engine_state())
+    c.restore(a.checkpoint_state())
     out["snapshot"] = _snapshot(a)  # after 2 steps, for the reshard test
     _train(a, rank, world, range(2, 3))
     _train(c, rank, world, range(2, 3))
@@ -134,7 +137,8 @@ def resume(rank: int, world: int, stage: int, full: dict[str, Any], engine_state
                         "optimizer_state": {**{k: v[s:e] for k, v in full[name]["tensor_state"].items()},
                                             **full[name]["scalar_state"]}}
     engine.load_shards(states)
-    engine.load_engine_state(engine_state)
+    target = engine.checkpoint_state()
+    engine.restore(dataclasses.replace(target, params=(), buffers=(), **engine_state), strict=False)
     _train(engine, rank, world, range(2, 3))
     return {"full": engine.full_state_dict()}
 

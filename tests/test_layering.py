@@ -1,8 +1,11 @@
 """The house rules of the code's layering, checked: the toolkit never imports the training core,
-partition arithmetic imports nothing heavy, and the CLI starts without torch."""
+partition arithmetic imports nothing heavy, the CLI starts without torch, the engine never
+imports checkpointing, and nothing outside zeroshard/engine touches the engine's private state."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def imported_after(statement: str) -> set[str]:
@@ -20,3 +23,61 @@ def test_toolkit_never_imports_the_training_core():
 def test_partition_is_pure_arithmetic():
     modules = imported_after("import zeroshard.partition")
     assert not {m for m in modules if m.split(".")[0] in ("torch", "fsspec", "numpy", "safetensors")}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
+            if isinstance(node.args[0], ast.Constant):
+                found.add(str(node.args[0].value))
+    return found
+
+
+def test_the_engine_never_imports_checkpointing():
+    for path in sorted((ROOT / "zeroshard" / "engine").glob("*.py")):
+        above = {m for m in _imports(path) if m.startswith(("zeroshard.checkpointing", "zeroshard.training"))}
+        assert not above, f"{path.name} imports {sorted(above)}: the engine knows nothing of checkpoints"
+    modules = imported_after("import zeroshard.engine")
+    assert not {m for m in modules if m.startswith(("zeroshard.checkpointing", "zeroshard.training"))}
+
+
+def _engine_private_names() -> set[str]:
+    """`self._x` attributes and `_x` methods of ZeroEngine (zeroshard/engine/engine.py)."""
+    tree = ast.parse((ROOT / "zeroshard" / "engine" / "engine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroEngine")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+             and not n.name.endswith("__")}
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and node.attr.startswith("_") and not node.attr.endswith("__")):
+            names.add(node.attr)
+    return names
+
+
+def test_nothing_outside_the_engine_touches_its_private_state():
+    private = _engine_private_names()
+    assert {"_shard_by_param", "_stage3", "_refresh"} <= private  # the scan sees the engine's internals
+    offenders = []
+    files = [p for p in ROOT.glob("zeroshard/**/*.py") if "engine" not in p.relative_to(ROOT / "zeroshard").parts[:1]]
+    files += [*ROOT.glob("tests/*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("samples/**/*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id == "self" and path.name != "training.py":
+                    continue  # another class's own attribute of the same name
+                if isinstance(owner, ast.Name) and owner.id == "self":
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} self.{node.attr}")
+                    continue
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not offenders, "engine internals used outside zeroshard/engine: " + ", ".join(offenders)

@@ -71,3 +71,18 @@ def test_holders_are_exactly_the_overlapping_ranks(numel, world):
     for start, end in [(0, numel), (0, 1), (numel // 3, numel // 2 + 1), (numel - 1, numel), (2, 2)]:
         expected = [(r, rng) for r, rng in enumerate(ranges) if rng[1] > rng[0] and max(rng[0], start) < min(rng[1], end)]
         assert holders(numel, world, start, end) == expected
+
+
+def test_the_bucket_planner_fills_groups_in_order_and_isolates_oversized_items():
+    from zeroshard.bucketing import greedy_groups
+
+    assert greedy_groups([3, 3, 3, 3], int, 6) == [[3, 3], [3, 3]]
+    assert greedy_groups([2, 9, 1, 1], int, 4) == [[2], [9], [1, 1]]  # oversized alone, order kept
+    assert greedy_groups([], int, 4) == []
+    assert greedy_groups([0, 0, 5], int, 4) == [[0, 0], [5]]
+    sizes = [7, 1, 4, 4, 2, 8, 3, 3, 3]
+    groups = greedy_groups(sizes, int, 8)
+    assert [x for g in groups for x in g] == sizes
+    assert all(sum(g) <= 8 or len(g) == 1 for g in groups)
+    # greedy: no group could have taken the next group's first item
+    assert all(sum(a) + b[0] > 8 for a, b in zip(groups, groups[1:]))

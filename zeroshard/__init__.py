@@ -1,25 +1,30 @@
 """zeroshard: ZeRO stages 1-3 on torch.distributed, and a streaming checkpoint toolkit.
 
 The toolkit (zeroshard.toolkit, the `zeroshard` command) never imports the training core;
-`initialize` and `ZeroConfig` are loaded from zeroshard.engine only when first used.
+`initialize`, `ZeroConfig`, `Checkpointer` and the rest are loaded only when first used.
+Every error zeroshard raises on purpose is a ZeroshardError (zeroshard/errors.py).
 """
 
 from typing import Any
 
-from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
+from zeroshard.errors import (CheckpointError, CheckpointSaveError, ClaimError, ConfigError, OtherRanksFailedError,
+                              OutputExistsError, StorageError, ZeroshardError)
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointSaveError", "ZeroshardError", "CheckpointError",
-           "StorageError", "__version__"]
+__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
+           "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
+           "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "ConfigError",
+           "__version__"]
+
+_LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
+         "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",
+         "EngineState": "zeroshard.engine.contract", "Checkpointer": "zeroshard.checkpointing",
+         "RNGState": "zeroshard.checkpointing", "Stateful": "zeroshard.checkpointing"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("initialize", "zero_init", "ZeroConfig", "ZeroEngine"):
-        from zeroshard import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "CheckpointSaveError":
-        from zeroshard.checkpointing import CheckpointSaveError
-
-        return CheckpointSaveError
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

@@ -1,4 +1,16 @@
-"""Errors users see. Each names the file (or URL) concerned and what is wrong with it, in one line."""
+"""Errors users see. Each names the file (or URL) concerned and what is wrong with it, in one line.
+
+The whole hierarchy, every class exported from `zeroshard`:
+
+    ZeroshardError                  everything zeroshard raises on purpose
+    +-- CheckpointError             a checkpoint or model source is missing, corrupt or inconsistent
+    +-- StorageError                reading or writing a path failed
+    |   +-- ClaimError              another writer holds the output (zeroshard/storage/claim.py)
+    +-- OutputExistsError           the output exists and --overwrite was not given
+    +-- CheckpointSaveError         a save failed on some rank: nothing committed
+    +-- OtherRanksFailedError       raised on the ranks that did not fail, naming those that did
+    +-- ConfigError (also ValueError)  an invalid engine config
+"""
 
 from __future__ import annotations
 
@@ -27,6 +39,10 @@ class StorageError(_Located):
     """Reading or writing a path failed (missing object, permission, network, disk full)."""
 
 
+class ClaimError(StorageError):
+    """Another writer holds the output (zeroshard/storage/claim.py)."""
+
+
 class OutputExistsError(ZeroshardError):
     """The output already exists and overwriting was not asked for."""
 
@@ -36,3 +52,28 @@ class OutputExistsError(ZeroshardError):
 
     def __reduce__(self):
         return type(self), (self.where,)
+
+
+class CheckpointSaveError(ZeroshardError):
+    """A save failed on at least one rank; nothing was committed and `latest` did not move."""
+
+
+class OtherRanksFailedError(ZeroshardError):
+    """A collective operation failed on other ranks (each raised its own error); this rank did nothing more."""
+
+    SHOWN = 3  # at thousands of ranks, the first few messages say enough
+
+    def __init__(self, action: str, failed: dict[int, str]):
+        self.action = action
+        self.failed = dict(failed)
+        ranks = sorted(self.failed)
+        listed = ", ".join(map(str, ranks[:20])) + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
+        details = "; ".join(f"rank {r}: {self.failed[r]}" for r in ranks[: self.SHOWN])
+        super().__init__(f"{action} failed on rank(s) {listed}: {details}")
+
+    def __reduce__(self):
+        return type(self), (self.action, self.failed)
+
+
+class ConfigError(ZeroshardError, ValueError):
+    """An invalid engine config (unknown key, bad value or type); names the key."""

@@ -1,8 +1,18 @@
 """Engine checkpoints (training-core side): parallel per-rank save with atomic commit, async
-save, and load at any world size and stage. Writes and reads format v1 (docs/FORMAT.md)
-through zeroshard.format; the toolkit reads the same files without importing this package."""
+save, and load at any world size and stage, through the engine's checkpoint contract
+(checkpoint_state/restore). Writes and reads the format of docs/FORMAT.md through
+zeroshard.format; the toolkit reads the same files without importing this package.
 
-from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
-from zeroshard.checkpointing.save import CheckpointSaveError, CheckpointSaver
+  checkpointer.py  Checkpointer: the gloo group, the background save, save/load/wait
+  contents.py      an EngineState in format terms (tensors, manifest fields)
+  save.py          the save protocol: claim, write, agree, commit, prune
+  load.py          reading this rank's ranges back into an EngineState
+  snapshot.py      the copy an async save takes while training waits
+  stateful.py      Stateful objects (LR schedulers, RNGState, ...) and rank-state blobs
+"""
 
-__all__ = ["CheckpointSaveError", "CheckpointSaver", "load_checkpoint", "load_pretrained"]
+from zeroshard.checkpointing.checkpointer import Checkpointer
+from zeroshard.checkpointing.stateful import RNGState, Stateful
+from zeroshard.errors import CheckpointSaveError
+
+__all__ = ["Checkpointer", "CheckpointSaveError", "RNGState", "Stateful"]

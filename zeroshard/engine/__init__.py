@@ -19,8 +19,13 @@ Files, one concern each:
   offload.py      offload_optimizer: where the fp32 masters (and optimizer state) live
   param_gather.py stages 1-2: updated params gathered asynchronously, waited for per module
   engine.py       ZeroEngine (forward/backward/step) and initialize()
-  state.py        named_shards/load_shards, full_state_dict/load_full_state_dict, engine_state
+  contract.py     EngineState: what a checkpoint holds of an engine, as typed values
+  state.py        checkpoint_state/restore, named_shards/load_shards, full state dicts
   memory.py       memory_report()
+
+This package never imports zeroshard.checkpointing: checkpoints reach the engine only through
+`checkpoint_state()` / `restore()`; `zeroshard.initialize` (zeroshard/training.py) adds the
+save_checkpoint/load_checkpoint conveniences on top.
 
 Checkpoint interface. `engine.named_shards()` yields `(name, ShardInfo)` per unique parameter in
 `model.named_parameters()` order (tied parameters once, under their first name). A ShardInfo has
@@ -33,14 +38,17 @@ holds everything and only rank 0 need save), `requires_grad`, `master` (live fp3
 tensors and numbers such as Adam's `step` are scalar; see `tensor_state` / `scalar_state`).
 `engine.load_shards({name: {"fragment": t, "optimizer_state": {...}}})` assigns them back
 (fragments of `end - start` or `chunk` elements; a collective at stages 1-2: all ranks call it).
-`engine.engine_state()` / `load_engine_state()` carry counters, the loss scaler and the
-optimizer's param-group hyperparameters (with member names). `engine.full_state_dict()` gathers
+`engine.checkpoint_state()` returns all of it at once, with buffers, tied-parameter aliases,
+counters, the loss scaler and the optimizer's param groups by member name, as an EngineState
+(contract.py); `engine.restore(state)` applies one. `engine.full_state_dict()` gathers
 full fp32 weights to rank 0; `engine.load_full_state_dict(sd)` scatters a full one.
 """
 
 from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine.contract import BufferState, Counters, EngineState, ParamGroup
 from zeroshard.engine.engine import ZeroEngine, initialize
 from zeroshard.engine.layout import ShardInfo
 from zeroshard.engine.meta_init import zero_init
 
-__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "ShardInfo", "ConfigError"]
+__all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "ShardInfo", "ConfigError", "EngineState",
+           "BufferState", "Counters", "ParamGroup"]

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.layout import ParamShard, rows_to_flat
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -99,15 +100,7 @@ def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, g
 
 def buckets(shards: Iterable[ParamShard], world: int, bucket_elems: int) -> list[list[ParamShard]]:
     """Consecutive groups of shards whose gathered size stays near `bucket_elems` elements."""
-    groups: list[list[ParamShard]] = [[]]
-    size = 0
-    for s in shards:
-        if groups[-1] and size + world * s.chunk > bucket_elems:
-            groups.append([])
-            size = 0
-        groups[-1].append(s)
-        size += world * s.chunk
-    return [g for g in groups if g]
+    return greedy_groups(shards, lambda s: world * s.chunk, bucket_elems)
 
 
 def gather_into_params(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,

@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from zeroshard.errors import ConfigError
+
 # DeepSpeed keys accepted but ignored (one warning lists those present).
 IGNORED_TOP_KEYS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "dump_state", "zero_allow_untested_optimizer",
@@ -48,10 +50,6 @@ REFUSED_TOP_KEYS = {
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the offending key."""
 
 
 @dataclass

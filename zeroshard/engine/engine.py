@@ -14,10 +14,11 @@ What each rank holds (Ψ = parameter count, N = world size, chunks padded per ze
 
 In fp32 at stage 0 the master *is* the module parameter (no second copy).
 
-State for checkpoints: `named_shards()` yields each parameter's name, shape, dtype, owned range
-(zeroshard.partition), fp32 master chunk and optimizer state; `load_shards()` assigns them
-back; `engine_state()` carries counters, loss scale and hyperparameters. The field-by-field
-description is in the package docstring (zeroshard/engine/__init__.py) and docs/ENGINE.md.
+State for checkpoints: `checkpoint_state()` returns an EngineState (contract.py) of live
+references, `restore()` applies one; the engine knows nothing of files (zeroshard.checkpointing
+maps that state to the format). `named_shards()` / `load_shards()` are the per-parameter view of
+the same state. The field-by-field description is in the package docstring
+(zeroshard/engine/__init__.py) and docs/ENGINE.md.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.engine import memory, state
-from zeroshard.engine.collectives import all_gather, ensure_process_group
+from zeroshard.engine.contract import EngineState
+from zeroshard.agree import agree
+from zeroshard.engine.collectives import ensure_process_group
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
@@ -53,8 +56,12 @@ _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter
 def initialize(model: nn.Module,
                optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
-               init_fn: Callable[[nn.Module], None] | None = None) -> "ZeroEngine":
+               init_fn: Callable[[nn.Module], None] | None = None,
+               engine_class: type["ZeroEngine"] | None = None) -> "ZeroEngine":
     """Wrap `model` and `optimizer` in a ZeroEngine (creating the process group if needed).
+
+    `zeroshard.initialize` is this with engine_class=zeroshard.training.CheckpointingEngine,
+    which adds save_checkpoint/load_checkpoint.
 
     Every rank must call this with the same model structure and config. Input errors found on
     any rank are raised on every rank (nobody is left waiting in a collective).
@@ -79,8 +86,8 @@ def initialize(model: nn.Module,
         check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
-    _agree(error, cfg, model, device)
-    return ZeroEngine(model, optimizer, cfg, device, init_fn=init_fn)
+    _agree(error, cfg, model)
+    return (engine_class or ZeroEngine)(model, optimizer, cfg, device, init_fn=init_fn)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -99,25 +106,15 @@ def _model_digest(model: nn.Module) -> int:
     return int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:8], "big") >> 1
 
 
-def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module, device: torch.device) -> None:
-    """One all-gather: every rank learns whether any rank failed or disagrees, and all raise."""
-    ok = error is None
-    mine = torch.tensor([int(ok), cfg.digest() if ok else 0, _model_digest(model) if ok else 0],
-                        dtype=torch.int64, device=device)
-    world = dist.get_world_size()
-    rows = torch.empty(world * 3, dtype=torch.int64, device=device)
-    all_gather(rows, mine, group=None)
-    table = rows.view(world, 3).tolist()
-    failed = [r for r, row in enumerate(table) if not row[0]]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"zeroshard.initialize failed on rank(s) {failed}; see their error")
-    cfg_differs = [r for r, row in enumerate(table) if row[1] != table[0][1]]
+def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module) -> None:
+    """Every rank learns whether any rank failed, or has another config or model, and all raise."""
+    digests = agree(error, action="zeroshard.initialize",
+                    payload=None if error is not None else (cfg.digest(), _model_digest(model)))
+    cfg_differs = [r for r, (c, _) in enumerate(digests) if c != digests[0][0]]
     if cfg_differs:
         raise ConfigError(f"the zeroshard config differs between rank 0 and rank(s) {cfg_differs}; "
                           "every rank must use the same config")
-    model_differs = [r for r, row in enumerate(table) if row[2] != table[0][2]]
+    model_differs = [r for r, (_, m) in enumerate(digests) if m != digests[0][1]]
     if model_differs:
         raise ValueError(f"model parameters/buffers (names, shapes, dtypes, requires_grad) differ "
                          f"between rank 0 and rank(s) {model_differs}")
@@ -126,9 +123,10 @@ def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module, de
 class ZeroEngine:
     """Data-parallel training with ZeRO partitioning. Build it with `zeroshard.initialize`.
 
-    Training: `engine(*inputs)` (forward), `backward(loss)`, `step()`. State: `named_shards()`,
-    `load_shards()`, `full_state_dict()`, `load_full_state_dict()`, `engine_state()`,
-    `load_engine_state()`, `memory_report()`.
+    Training: `engine(*inputs)` (forward), `backward(loss)`, `step()`. State: `checkpoint_state()`,
+    `restore()`, `named_shards()`, `load_shards()`, `full_state_dict()`, `load_full_state_dict()`,
+    `memory_report()`. Checkpoint files: zeroshard.Checkpointer, or the conveniences of the
+    engine `zeroshard.initialize` returns (zeroshard/training.py).
 
     Public attributes: module, optimizer (the real torch optimizer over the fp32 shards: attach LR
     schedulers to it), config, rank, world_size, stage, device, gradient_accumulation_steps,
@@ -359,6 +357,16 @@ class ZeroEngine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    @property
+    def param_refresh(self) -> ParamRefresh | None:
+        """Stages 1-2: the asynchronous parameter all-gathers after a step (for diagnostics)."""
+        return self._refresh
+
+    @property
+    def stage3_scheduler(self) -> Stage3 | None:
+        """Stage 3: the units and their gather/free state (for diagnostics)."""
+        return self._stage3
+
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
         return self
@@ -390,57 +398,15 @@ class ZeroEngine:
         """Load full (unsharded) weights, given on every rank; each rank keeps its range."""
         state.load_full_state_dict(self, state_dict, strict=strict)
 
-    def engine_state(self) -> dict[str, Any]:
-        """Counters, loss scaler and optimizer hyperparameters (everything but the shards)."""
-        return state.engine_state(self)
+    def checkpoint_state(self) -> EngineState:
+        """Everything a checkpoint holds of this rank, as live references (see contract.py)."""
+        return state.checkpoint_state(self)
 
-    def load_engine_state(self, engine_state: Mapping[str, Any]) -> None:
-        state.load_engine_state(self, engine_state)
-
-    # -- checkpoints (zeroshard.checkpointing; format v1, docs/FORMAT.md) ---------------------------
-
-    def _checkpoint_saver(self) -> Any:
-        if getattr(self, "_saver", None) is None:
-            from zeroshard.checkpointing import CheckpointSaver
-
-            self._saver = CheckpointSaver(self)  # collective: every rank gets here together
-        return self._saver
-
-    def save_checkpoint(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
-                        keep_last: int | None = None, async_save: bool = False, lr_scheduler: Any = None,
-                        storage_options: dict | None = None) -> str:
-        """Save to `path/tag` (tag: step-NNNNNNNN by default), every rank writing its own shard;
-        rank 0 commits the manifest once all have succeeded, then moves `path/latest`.
-
-        client_state: JSON-serializable dict returned by load_checkpoint. keep_last: prune older
-        checkpoints in `path` after the commit. async_save: snapshot now, write in a background
-        thread (the next save, wait(), load or exit joins it and raises its error). Returns the
-        checkpoint's URL. Raises CheckpointSaveError on every rank if any rank failed.
-        """
-        return self._checkpoint_saver().save(path, tag, client_state, keep_last=keep_last, async_save=async_save,
-                                             lr_scheduler=lr_scheduler, storage_options=storage_options)
-
-    def wait(self) -> None:
-        """Wait for a background save; raise its error if it failed."""
-        if getattr(self, "_saver", None) is not None:
-            self._saver.wait()
-
-    def load_checkpoint(self, path: str, *, strict: bool = True, load_optimizer_states: bool = True,
-                        lr_scheduler: Any = None, storage_options: dict | None = None) -> Any:
-        """Load a checkpoint saved at any world size and stage (a root follows `latest`);
-        returns its client_state. strict=False skips parameters missing on either side."""
-        from zeroshard.checkpointing import load_checkpoint
-
-        saver = self._checkpoint_saver()
-        saver.wait()
-        return load_checkpoint(self, saver.group, path, strict=strict, load_optimizer_states=load_optimizer_states,
-                               lr_scheduler=lr_scheduler, storage_options=storage_options)
-
-    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
-        """Load model weights from a full model: one .safetensors file or an HF-style folder."""
-        from zeroshard.checkpointing import load_pretrained
-
-        load_pretrained(self, self._checkpoint_saver().group, path, strict=strict, storage_options=storage_options)
+    def restore(self, engine_state: EngineState, *, strict: bool = True, adopt: bool = False) -> None:
+        """Apply an EngineState (collective at stages 1-2: every rank calls it). strict=False
+        accepts a subset of the parameters; adopt=True lets padded per-element optimizer state
+        become the engine's without a copy (the caller gives it up)."""
+        state.restore(self, engine_state, strict=strict, adopt=adopt)
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, rank={self.rank}/{self.world_size}, "

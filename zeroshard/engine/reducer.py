@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.collectives import reduce_scatter
 from zeroshard.engine.layout import ParamShard, flat_to_rows
 
@@ -68,17 +69,8 @@ class GradReducer:
         by_index = {s.index: s for s in self.shards}
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, tuple[_Bucket, int]] = {}
-        current: list[ParamShard] = []
-        size = 0
-        for i in order:
-            s = by_index[i]
-            if current and size + self.world * s.chunk > self.bucket_elems:
-                self._add_bucket(current)
-                current, size = [], 0
-            current.append(s)
-            size += self.world * s.chunk
-        if current:
-            self._add_bucket(current)
+        for group in greedy_groups((by_index[i] for i in order), lambda s: self.world * s.chunk, self.bucket_elems):
+            self._add_bucket(group)
 
     def _add_bucket(self, shards: list[ParamShard]) -> None:
         offsets, total = [], 0

@@ -1,4 +1,5 @@
-"""Reading and writing the engine's state: per-parameter shards, full weights, counters.
+"""Reading and writing the engine's state: the checkpoint contract (checkpoint_state/restore,
+see contract.py), per-parameter shards, full weights.
 
 Shards are what a checkpoint stores (each rank exactly its `shard_range`, see ShardInfo);
 full state dicts are for tests, exports and starting from pretrained weights.
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.engine.collectives import gather_into_params
+from zeroshard.engine.contract import BufferState, Counters, EngineState, ParamGroup
 from zeroshard.engine.layout import ShardInfo, rows_to_flat, set_fragment
 from zeroshard.engine.optim import group_names
 
@@ -49,8 +51,9 @@ def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], s
     with torch.no_grad():
         for name, st in states.items():
             s = by_name[name]
-            if st.get("fragment") is not None:
-                set_fragment(s.master, st["fragment"].to(s.master.device, torch.float32), s.owned)
+            fragment = st.get("fragment")
+            if fragment is not None and fragment.data_ptr() != s.master.data_ptr():  # else: read in place
+                set_fragment(s.master, fragment.to(s.master.device, torch.float32), s.owned)
             opt = st.get("optimizer_state")
             if opt:
                 if not s.requires_grad:
@@ -147,28 +150,74 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], st
                 ref.data.copy_(value.detach().to(ref.device, ref.dtype))
 
 
-def engine_state(engine: "ZeroEngine") -> dict[str, Any]:
+def checkpoint_state(engine: "ZeroEngine") -> EngineState:
+    """Live references to everything a checkpoint holds of this rank (see contract.py)."""
+    engine.wait_params()
+    aliases: dict[str, str] = {}
+    buffers: list[BufferState] = []
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        shard = engine._shard_by_param.get(id(value))
+        if shard is not None:
+            if shard.name != key:
+                aliases[key] = shard.name
+        elif torch.is_tensor(value):
+            buffers.append(BufferState(key, value.detach(), engine._buffer_dtypes.get(key, value.dtype)))
     names = group_names(engine.optimizer, engine.shards)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n}
-              for g, n in zip(engine.optimizer.param_groups, names)]
-    return {
-        "zero_stage": engine.stage, "world_size": engine.world_size,
-        "shard_world_size": engine.shard_world_size,
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
-        "optimizer_class": type(engine.optimizer).__name__, "param_groups": groups,
-    }
+    groups = tuple(ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
+                   for g, n in zip(engine.optimizer.param_groups, names))
+    cls = type(engine.optimizer)
+    return EngineState(
+        zero_stage=engine.stage, world_size=engine.world_size, rank=engine.rank,
+        shard_world_size=engine.shard_world_size, device=engine.device, compute_dtype=engine.compute_dtype,
+        optimizer_class=f"{cls.__module__}.{cls.__qualname__}",
+        params=tuple(info for _, info in named_shards(engine)), buffers=tuple(buffers), aliases=aliases,
+        counters=Counters(engine.global_steps, engine.micro_steps, engine.skipped_steps),
+        loss_scaler=engine.scaler.state_dict(), param_groups=groups)
 
 
-def load_engine_state(engine: "ZeroEngine", st: Mapping[str, Any]) -> None:
+def restore(engine: "ZeroEngine", state: EngineState, strict: bool = True, adopt: bool = False) -> None:
+    """Apply `state` (collective at stages 1-2: every rank calls it).
+
+    Each ShardInfo must have this rank's range (start/end/chunk) of its parameter; its `master`
+    holds `end - start` real elements or the padded `chunk`. Tensors that already are the
+    engine's own (a loader read straight into them) are not copied again. adopt=True: per-element
+    optimizer state already in the padded layout becomes the engine's without a copy (the
+    caller gives those tensors up).
+    """
+    by_name = {s.name: s for s in engine.shards}
+    for info in state.params:
+        s = by_name.get(info.name)
+        if s is not None and (info.start, info.end, info.chunk) != (s.start, s.end, s.chunk):
+            raise ValueError(f"restore: {info.name!r} holds elements [{info.start}, {info.end}) of chunk {info.chunk}; "
+                             f"this rank owns [{s.start}, {s.end}) of chunk {s.chunk}")
+    load_shards(engine, {info.name: {"fragment": info.master, "optimizer_state": info.optimizer_state}
+                         for info in state.params}, strict=strict, adopt=adopt)
+    own = dict(engine.module.named_buffers())
+    unknown = [b.name for b in state.buffers if b.name not in own]
+    if unknown:
+        raise KeyError(f"restore: unknown buffers {unknown}")
+    with torch.no_grad():
+        for b in state.buffers:
+            target = own[b.name]
+            if b.tensor.data_ptr() != target.data_ptr():
+                target.copy_(b.tensor.reshape(target.shape).to(target.device, target.dtype))
+    if state.param_groups is not None:
+        _restore_param_groups(engine, state.param_groups)
+    if state.counters is not None:
+        engine.global_steps = int(state.counters.global_steps)
+        engine.micro_steps = int(state.counters.micro_steps)
+        engine.skipped_steps = int(state.counters.skipped_steps)
+    if state.loss_scaler is not None:
+        engine.scaler.load_state_dict(dict(state.loss_scaler))
+
+
+def _restore_param_groups(engine: "ZeroEngine", saved: tuple[ParamGroup, ...]) -> None:
     groups = engine.optimizer.param_groups
-    if len(st["param_groups"]) != len(groups):
-        raise ValueError(f"saved state has {len(st['param_groups'])} param groups, the optimizer {len(groups)}")
-    for g, saved, names in zip(groups, st["param_groups"], group_names(engine.optimizer, engine.shards)):
-        if list(saved["params"]) != names:
-            raise ValueError(f"param group members differ: saved {saved['params']} vs {names}")
-        g.update({k: v for k, v in saved.items() if k != "params"})
-    engine.global_steps = int(st["global_steps"])
-    engine.micro_steps = int(st["micro_steps"])
-    engine.skipped_steps = int(st.get("skipped_steps", 0))
-    engine.scaler.load_state_dict(st["loss_scaler"])
+    if len(saved) != len(groups):
+        raise ValueError(f"saved state has {len(saved)} param groups, the optimizer {len(groups)}")
+    for g, group, names in zip(groups, saved, group_names(engine.optimizer, engine.shards)):
+        if list(group.params) != names:
+            raise ValueError(f"param group members differ: saved {list(group.params)} vs {names}")
+        # JSON turned tuples (Adam's betas) into lists: give them back their type
+        g.update({k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+                  for k, v in group.options.items() if k != "params"})

@@ -1,10 +1,10 @@
 """Writing an Imported as a zeroshard checkpoint through the format writer.
 
 The names, roles and manifest fields are the ones the engine's own save produces
-(zeroshard/checkpointing/collect.py and save.py), so `engine.load_checkpoint` resumes from the
-result as from one of its own: `param` tensors (fp32 masters), `optimizer/{state}/{param}`,
-`buffer`s; manifest.optimizer {"class", "param_groups", "scalar_state"}; manifest.extra
-{"engine": counters and loss scaler, "lr_scheduler"}. No RNG states: the source's are not ours.
+(zeroshard/format/training_state.py), so `engine.load_checkpoint` resumes from the result as
+from one of its own: `param` tensors (fp32 masters), `optimizer/{state}/{param}`, `buffer`s;
+manifest.optimizer {"class", "param_groups", "scalar_state"}; manifest.extra {"engine": counters
+and loss scaler, "stateful": {"lr_scheduler"}}. No RNG states: the source's are not ours.
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ from typing import Any
 
 from zeroshard.format import TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder, rank_contents, write_rank_file
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.training_state import optimizer_key
 from zeroshard.interop.imported import Imported
 from zeroshard.storage.location import Location
 
 _DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64",
            "torch.int64": "I64", "torch.int32": "I32", "torch.int8": "I8", "torch.uint8": "U8", "torch.bool": "BOOL"}
-
-
-def optimizer_key(state: str, param: str) -> str:
-    return f"optimizer/{state}/{param}"  # as zeroshard.checkpointing.collect.optimizer_key
 
 
 def dtype_code(tensor: Any) -> str:
@@ -71,6 +68,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         optimizer={"class": imp.optimizer_class, "param_groups": imp.param_groups or None,
                    "scalar_state": imp.scalar_state} if imp.optimizer_state or imp.param_groups else None,
         client_state=imp.client_state, aliases=imp.aliases,
-        extra={"engine": engine, "lr_scheduler": imp.lr_scheduler, "source": imp.source, "import_notes": imp.notes})
+        extra={"engine": engine, "stateful": {"lr_scheduler": imp.lr_scheduler} if imp.lr_scheduler is not None else {},
+               "source": imp.source, "import_notes": imp.notes})
     commit_checkpoint(target, manifest, previous, sync_files=True)
     return manifest

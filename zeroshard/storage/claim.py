@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from zeroshard.errors import StorageError
+from zeroshard.errors import ClaimError, StorageError
 from zeroshard.storage.location import Location
 from zeroshard.storage.owner import owner_alive, owner_tag
 
@@ -25,10 +25,6 @@ CLAIM_NAME = ".zeroshard-claim"
 # A claim of another host (whose process we cannot see) is presumed dead after this long: no
 # single save or toolkit run holds an output for 6 hours, and a crashed job must not block a tag forever.
 STALE_CLAIM_S = 6 * 3600.0
-
-
-class ClaimError(StorageError):
-    """Another writer holds the output."""
 
 
 @dataclass

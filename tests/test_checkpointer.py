@@ -1,0 +1,193 @@
+"""The Checkpointer: Stateful objects beside the engine (global and per rank), rank-state blobs,
+one agreement for failures, and checkpoints written before rank-state blobs."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from distributed import run_ranks
+from zeroshard.checkpointing.stateful import decode_rank_state, encode_rank_state, name_stateful, to_json_value
+
+LEGACY = Path(__file__).parent / "data" / "engine-1.1-rng"
+
+
+class Position:
+    """A data position: per rank (scope "rank") or shared (the default)."""
+
+    def __init__(self, value: int, scope: str = "global", fail_on_save: bool = False) -> None:
+        self.value, self.checkpoint_scope, self.fail_on_save = value, scope, fail_on_save
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail_on_save:
+            raise RuntimeError("this position cannot be saved")
+        if self.checkpoint_scope == "global":  # saved as JSON: no tensors
+            return {"value": self.value}
+        return {"value": self.value, "history": torch.arange(self.value + 1, dtype=torch.int32)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = int(state["value"])
+        if self.checkpoint_scope == "rank":
+            assert torch.equal(state["history"], torch.arange(self.value + 1, dtype=torch.int32))
+
+
+def _engine(seed: int = 0, stage: int = 2) -> Any:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    return zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                config={"zero_optimization": {"stage": stage}})
+
+
+def _step(engine: Any, seed: int) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+
+
+def save_positions(rank: int, world: int, path: str, fail_rank: int | None = None) -> dict[str, Any]:
+    engine = _engine()
+    _step(engine, rank)
+    shared = Position(7, fail_on_save=False)
+    mine = Position(10 + rank, scope="rank", fail_on_save=rank == fail_rank)
+    ckpt = zeroshard.Checkpointer(engine, shared=shared, mine=mine)
+    try:
+        ckpt.save(path, tag="t", async_save=True)
+        ckpt.wait()
+        return {"saved": True}
+    except zeroshard.CheckpointSaveError as exc:
+        return {"saved": False, "error": str(exc)}
+
+
+def load_positions(rank: int, world: int, path: str) -> dict[str, Any]:
+    engine = _engine(seed=5)
+    shared, mine = Position(0), Position(-1, scope="rank")
+    zeroshard.Checkpointer(engine, shared=shared, mine=mine).load(path)
+    return {"shared": shared.value, "mine": mine.value}
+
+
+def test_stateful_objects_come_back_global_everywhere_and_per_rank_only_at_the_same_world(tmp_path):
+    run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"))
+    same = run_ranks(load_positions, 2, timeout=120, path=str(tmp_path / "ck" / "t"))
+    assert [r["shared"] for r in same] == [7, 7]
+    assert [same[r]["mine"] for r in range(2)] == [10, 11]
+    other = run_ranks(load_positions, 3, timeout=120, path=str(tmp_path / "ck" / "t"))
+    assert [other[r]["shared"] for r in range(3)] == [7, 7, 7]
+    assert [other[r]["mine"] for r in range(3)] == [-1, -1, -1]  # per-rank state means nothing at world 3
+
+    manifest = json.loads((tmp_path / "ck" / "t" / "zeroshard.json").read_text())
+    assert manifest["extra"]["stateful"]["shared"]["value"] == 7
+    assert "rng" not in manifest["extra"] and "mine" not in json.dumps(manifest["extra"])
+    # A rank-state blob is plain safetensors, readable without zeroshard's loader.
+    from safetensors.torch import load, load_file
+
+    blob = load_file(str(tmp_path / "ck" / "t" / "rank-00001-of-00002.safetensors"))["rank-state/rank-00001"]
+    inner = load(blob.numpy().tobytes())
+    assert torch.equal(inner["mine/history"], torch.arange(12, dtype=torch.int32))
+    assert json.loads(bytes(inner["__json__"].numpy()).decode())["mine"]["value"] == 11
+
+
+def test_a_stateful_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    result = run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"), fail_rank=1)
+    for rank in range(2):
+        assert not result[rank]["saved"]
+        assert "rank(s) 1" in result[rank]["error"] or "cannot be saved" in result[rank]["error"]
+    assert "cannot be saved" in result[0]["error"]  # the others are told why
+    assert not (tmp_path / "ck" / "t" / "zeroshard.json").exists()
+    assert not (tmp_path / "ck" / "latest").exists()
+
+
+def load_legacy(rank: int, world: int, path: str) -> dict[str, Any]:
+    engine = _engine(seed=3)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    client = engine.load_checkpoint(path, lr_scheduler=sched)
+    return {"client": client, "torch": torch.rand(3).tolist(), "python": [random.random() for _ in range(3)],
+            "numpy": np.random.rand(3).tolist(), "scheduler": sched.state_dict(), "lr": sched.get_last_lr(),
+            "full": {k: v.tolist() for k, v in engine.full_state_dict().items()}, "steps": engine.global_steps}
+
+
+def test_checkpoints_from_before_rank_state_blobs_restore_rng_and_scheduler(tmp_path):
+    shutil.copytree(LEGACY, tmp_path / "ck")
+    result = run_ranks(load_legacy, 2, timeout=120, path=str(tmp_path / "ck"))
+    for rank in range(2):
+        want = json.loads((LEGACY / f"expected-rank{rank}.json").read_text())
+        got = result[rank]
+        assert got["client"] == {"next_step": 2} and got["steps"] == 2
+        assert got["torch"] == want["torch"] and got["python"] == want["python"] and got["numpy"] == want["numpy"]
+        assert got["scheduler"] == want["scheduler"] and got["lr"] == want["lr"]
+    assert result[0]["full"] == json.loads((LEGACY / "expected-rank0.json").read_text())["full"]
+
+
+def save_for_size(rank: int, world: int, path: str) -> None:
+    engine = _engine()
+    _step(engine, rank)
+    engine.save_checkpoint(path, tag="t")
+
+
+def test_the_manifest_holds_nothing_per_rank_but_a_file_and_a_rank_state_entry(tmp_path):
+    sizes = {}
+    for world in (2, 4):
+        run_ranks(save_for_size, world, timeout=120, path=str(tmp_path / f"w{world}"))
+        sizes[world] = (tmp_path / f"w{world}" / "t" / "zeroshard.json").stat().st_size
+    per_rank = (sizes[4] - sizes[2]) / 2
+    assert per_rank < 600, sizes  # the JSON RNG states of earlier versions cost ~14 KB per rank
+
+
+def test_stateful_objects_are_named_by_keyword_key_or_kind():
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1), 1)
+    rng = zeroshard.RNGState()
+    named = name_stateful((sched, rng), {"data": Position(1)})
+    assert list(named) == ["lr_scheduler", "rng", "data"]
+    with pytest.raises(TypeError, match="pass it by keyword"):
+        name_stateful((Position(1),), {})
+    with pytest.raises(ValueError, match="'rng'"):
+        name_stateful((rng, zeroshard.RNGState()), {})
+    with pytest.raises(TypeError, match="state_dict"):
+        name_stateful((), {"x": object()})
+    with pytest.raises(ValueError, match="checkpoint_scope"):
+        name_stateful((), {"x": Position(1, scope="node")})
+
+
+def test_rank_state_blobs_round_trip_and_reject_garbage():
+    state = {"rng": zeroshard.RNGState().state_dict(), "pos": {"n": 3, "nested": [1.5, None, torch.ones(2)]}}
+    back = decode_rank_state(encode_rank_state(state), "x")
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"])
+    assert back["pos"]["n"] == 3 and back["pos"]["nested"][:2] == [1.5, None]
+    assert torch.equal(back["pos"]["nested"][2], torch.ones(2))
+    with pytest.raises(ValueError, match="where: malformed rank-state blob"):
+        decode_rank_state(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage", "where")
+    with pytest.raises(TypeError, match="cannot be stored as JSON"):
+        encode_rank_state({"bad": {"obj": object()}})
+    with pytest.raises(TypeError, match="checkpoint_scope = \"rank\""):
+        to_json_value({"t": torch.ones(2)}, "state of 'x'")
+
+
+def load_rejecting(rank: int, world: int, path: str) -> str:
+    engine = _engine(seed=5)
+
+    class Picky(Position):
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            if dist.get_rank() == 1:
+                raise ValueError("rank 1 wants another position")
+            super().load_state_dict(state)
+
+    try:
+        zeroshard.Checkpointer(engine, shared=Picky(0)).load(path)
+    except zeroshard.ZeroshardError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_stateful_rejecting_its_state_on_one_rank_raises_on_every_rank(tmp_path):
+    run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"))
+    result = run_ranks(load_rejecting, 2, timeout=120, path=str(tmp_path / "ck" / "t"))
+    assert result[1].startswith("CheckpointError") and "rank 1 wants another position" in result[1]
+    assert result[0].startswith("OtherRanksFailedError") and "rank(s) 1" in result[0]

@@ -1,0 +1,34 @@
+"""Agreeing on failures across processes: the one routine every collective operation uses.
+
+A rank that fails before a collective must not leave the others waiting in it, and a rank that
+did not fail must not carry on as if all was well. So every multi-rank operation (engine
+set-up, checkpoint save and load, the toolkit's torchrun mode) ends its fallible local part with
+`agree(error, group)`: one all-gather of each rank's outcome, after which every rank raises:
+the failed rank its own error, the others an OtherRanksFailedError naming the failed ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroshard.errors import OtherRanksFailedError, ZeroshardError
+
+
+def agree(error: BaseException | None, group: Any = None, *, action: str, payload: Any = None) -> list[Any]:
+    """All-gather `(failed?, message, payload)` on `group`; raise on every rank if any rank failed.
+
+    Returns every rank's `payload` (a small picklable value; in rank order) when all succeeded.
+    `action` names the operation in the message others see ("the checkpoint save").
+    """
+    import torch.distributed as dist  # the toolkit imports this module without needing torch
+
+    message = None if error is None else str(error) if isinstance(error, ZeroshardError) else f"{type(error).__name__}: {error}"
+    outcome = (message, payload if error is None else None)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, outcome, group=group)
+    if error is not None:
+        raise error
+    failed = {rank: message for rank, (message, _) in enumerate(everyone) if message is not None}
+    if failed:
+        raise OtherRanksFailedError(action, failed)
+    return [p for _, p in everyone]

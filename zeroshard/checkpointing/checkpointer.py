@@ -1,0 +1,138 @@
+"""Checkpointer: saves and loads an engine, and any Stateful objects beside it.
+
+    ckpt = zeroshard.Checkpointer(engine, scheduler, zeroshard.RNGState(engine.device), data=loader)
+    ckpt.save("ckpt/", async_save=True)       # every rank; returns at once for async saves
+    client_state = ckpt.load("ckpt/")         # any world size, any stage; "ckpt/" follows `latest`
+
+It owns what saving and loading share across calls: a gloo group of its own (only small Python
+objects travel on it, and a background save on it never interleaves with training's
+collectives), the background save and its snapshot buffers. It reaches the engine only through
+`engine.checkpoint_state()` / `engine.restore()` (zeroshard/engine/contract.py); the mapping to
+files is contents.py (save) and load.py. Creating one is collective: every rank, same order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch.distributed as dist
+
+from zeroshard.checkpointing.contents import engine_contents
+from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
+from zeroshard.checkpointing.save import (SaveJob, agree_on_save, claim_tag, new_checkpoint_id,
+                                          write_and_commit)
+from zeroshard.checkpointing.snapshot import Snapshot
+from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
+from zeroshard.format.manifest import is_safe_file_name
+from zeroshard.storage import Location
+
+if TYPE_CHECKING:
+    from zeroshard.engine import ZeroEngine
+
+
+class Checkpointer:
+    """Checkpoints of one engine plus Stateful objects (LR schedulers, RNGState, a data position).
+
+    Stateful objects are saved under a key: their keyword, their `checkpoint_key` attribute, or
+    "lr_scheduler" for a torch LR scheduler (see stateful.py).
+    """
+
+    def __init__(self, engine: "ZeroEngine", *stateful: Any, timeout_s: float = 1800.0, **named: Any) -> None:
+        self.engine = engine
+        self.stateful = name_stateful(stateful, named)
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._snapshot = Snapshot()
+        atexit.register(self._join_at_exit)
+
+    def save(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
+             keep_last: int | None = None, async_save: bool = False, storage_options: dict | None = None,
+             stateful: Mapping[str, Any] | None = None) -> str:
+        """Save to `path/tag` (tag: step-NNNNNNNN by default); rank 0 commits once every rank
+        succeeded, then moves `path/latest` and prunes to `keep_last` checkpoints. Returns the
+        checkpoint's URL. async_save: snapshot now, write on a background thread (the next
+        save, load, wait() or exit joins it and raises its error). `stateful`: more objects,
+        for this call only. Raises CheckpointSaveError on every rank if any rank failed."""
+        self.wait()
+        engine = self.engine
+        objects = {**self.stateful, **name_stateful((), stateful or {})}
+        tag = tag or f"step-{engine.global_steps:08d}"
+        if not is_safe_file_name(tag):
+            raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        root = Location(path, storage_options)
+        claim = error = None
+        rank_state = b""
+        manifest_extra: dict[str, Any] = {}
+        try:
+            if engine.rank == 0:
+                claim = claim_tag(root, tag)
+                manifest_extra["stateful"] = {k: to_json_value(o.state_dict(), f"state of {k!r}")
+                                              for k, o in objects.items() if scope_of(o) == "global"}
+                client_state = to_json_value(client_state, "client_state") if client_state is not None else None
+            per_rank = {k: o.state_dict() for k, o in objects.items() if scope_of(o) == "rank"}
+            rank_state = encode_rank_state(per_rank) if per_rank else b""
+        except Exception as exc:  # every rank learns of it before anything is written
+            error = exc
+        try:
+            # one exchange: the outcome, the checkpoint id (rank 0's) and every rank-state size
+            agreed = agree_on_save(error, self.group, (new_checkpoint_id(), len(rank_state), tag))
+            contents = engine_contents(engine.checkpoint_state(), [size for _, size, _ in agreed], rank_state,
+                                       snapshot=self._snapshot if async_save else None)
+        except BaseException:
+            if claim is not None:  # this process lives on: its claim must not block the tag
+                claim.release()
+            raise
+        checkpoint_id, _, tag = agreed[0]  # rank 0's: a tag given per rank could differ
+        job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents, manifest_extra,
+                      client_state if engine.rank == 0 else None, keep_last, claim)
+        if not async_save:
+            write_and_commit(job, self.group)
+        else:
+            self._thread = threading.Thread(target=self._run_in_background, args=(job,), name="zeroshard-save")
+            self._thread.start()
+        return root.url_of(tag)
+
+    def load(self, path: str, *, strict: bool = True, load_optimizer_states: bool = True,
+             storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None) -> Any:
+        """Load a checkpoint saved at any world size and stage (a root follows `latest`) into
+        the engine and the Stateful objects; returns its client_state. strict=False skips
+        parameters missing on either side. Per-rank states (RNG) come back only at the same
+        world size. Raises on every rank if any rank failed, before anything is restored."""
+        self.wait()
+        objects = {**self.stateful, **name_stateful((), stateful or {})}
+        return load_checkpoint(self.engine, self.group, path, strict=strict,
+                               load_optimizer_states=load_optimizer_states, stateful=objects,
+                               storage_options=storage_options)
+
+    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
+        """Load model weights from a full model: one .safetensors file or an HF-style folder."""
+        self.wait()
+        load_pretrained(self.engine, self.group, path, strict=strict, storage_options=storage_options)
+
+    def wait(self) -> None:
+        """Block until a background save has finished; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run_in_background(self, job: SaveJob) -> None:
+        try:
+            write_and_commit(job, self.group)
+        except BaseException as exc:  # kept for the next call: never swallowed
+            self._error = exc
+
+    def _join_at_exit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:
+            print(f"zeroshard: background checkpoint save failed: {exc}", file=sys.stderr)

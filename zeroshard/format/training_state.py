@@ -1,0 +1,46 @@
+"""How a training engine's state is named in a checkpoint (docs/FORMAT.md §9): one place for the
+engine's checkpointer, the importers (zeroshard/interop) and any reader.
+
+Tensors:
+  `{param}`                    role "param": the fp32 master weights (layout flat, or whole if 0-d)
+  `optimizer/{state}/{param}`  role "optimizer": per-element optimizer state (Adam's exp_avg, ...)
+  `{buffer}`                   role "buffer": a module buffer, stored once (rank 0's file)
+  `rank-state/rank-{r:05d}`    role "extra", layout local, owner r: rank r's own state (its RNG,
+                               per-rank Stateful objects) as a safetensors blob (§9.3)
+Manifest:
+  optimizer    {"class", "param_groups": [{hyperparameters..., "params": [names]}],
+                "scalar_state": {param: {state: {"dtype"?, "value"}}}}
+  extra.engine {"zero_stage", "world_size", "shard_world_size", "global_steps", "micro_steps",
+                "skipped_steps", "loss_scaler", "optimizer_class"}
+  extra.stateful {key: JSON state_dict} of every global Stateful object ("lr_scheduler", ...)
+Read but no longer written (checkpoints of earlier versions): extra.lr_scheduler (now
+extra.stateful.lr_scheduler), `rng/rank-{r:05d}/{cpu|cuda}` tensors with extra.rng (now rank-state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RANK_STATE_PREFIX = "rank-state/"
+ENGINE_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+
+
+def optimizer_key(state: str, param: str) -> str:
+    return f"optimizer/{state}/{param}"
+
+
+def rank_state_key(rank: int) -> str:
+    return f"{RANK_STATE_PREFIX}rank-{rank:05d}"
+
+
+def legacy_rng_key(rank: int, device: str) -> str:
+    """Checkpoints written before rank-state blobs kept torch RNG states under these names."""
+    return f"rng/rank-{rank:05d}/{device}"
+
+
+def global_stateful(extra: dict[str, Any], key: str) -> Any:
+    """The saved state of global Stateful `key`, or None (older checkpoints: extra.lr_scheduler)."""
+    saved = (extra.get("stateful") or {}).get(key)
+    if saved is None and key == "lr_scheduler":
+        saved = extra.get("lr_scheduler")
+    return saved
