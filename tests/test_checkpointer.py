@@ -191,3 +191,49 @@ def test_a_stateful_rejecting_its_state_on_one_rank_raises_on_every_rank(tmp_pat
     result = run_ranks(load_rejecting, 2, timeout=120, path=str(tmp_path / "ck" / "t"))
     assert result[1].startswith("CheckpointError") and "rank 1 wants another position" in result[1]
     assert result[0].startswith("OtherRanksFailedError") and "rank(s) 1" in result[0]
+
+
+def train_during_async_save(rank: int, world: int, path: str, slow_writer: bool) -> dict[str, Any]:
+    """Save asynchronously, then train two more steps while the save may still be writing."""
+    import time
+
+    from zeroshard.checkpointing import snapshot
+
+    if slow_writer:  # every tensor takes a while to write: the steps surely overlap the save
+        fill = snapshot.BackgroundSave.fill
+
+        def slow(self, *args: Any) -> None:
+            time.sleep(0.02)
+            fill(self, *args)
+
+        snapshot.BackgroundSave.fill = slow
+    engine = _engine(stage=1)
+    _step(engine, rank)
+    at_save = engine.full_state_dict()
+    opt_at_save = {n: {k: v.clone() for k, v in i.tensor_state.items()} for n, i in engine.named_shards()}
+    engine.save_checkpoint(path, tag="t", async_save=True)
+    if not slow_writer:
+        engine.checkpointer._thread.join()  # the write is over before the next step
+    _step(engine, rank + 10)
+    _step(engine, rank + 20)
+    engine.wait()
+    copied = sum(b.numel() for b in engine.checkpointer._lazy.buffers)
+    fresh = _engine(seed=9, stage=1)
+    fresh.load_checkpoint(path + "/t")
+    opt_loaded = {n: {k: v.clone() for k, v in i.tensor_state.items()} for n, i in fresh.named_shards()}
+    same_opt = all(torch.equal(opt_at_save[n][k], opt_loaded[n][k]) for n in opt_at_save for k in opt_at_save[n])
+    return {"at_save": at_save, "loaded": fresh.full_state_dict(), "copied": copied, "same_opt": same_opt,
+            "moved_on": engine.global_steps}
+
+
+@pytest.mark.parametrize("slow_writer", [True, False], ids=["steps-overlap-the-write", "write-done-first"])
+def test_async_saves_are_copy_on_write(tmp_path, slow_writer):
+    result = run_ranks(train_during_async_save, 2, timeout=120, path=str(tmp_path / "ck"), slow_writer=slow_writer)
+    assert result[0]["moved_on"] == 3
+    for name, value in result[0]["at_save"].items():
+        assert torch.equal(value, result[0]["loaded"][name]), name  # what was saved is the state at save()
+    assert all(r["same_opt"] for r in result)
+    if slow_writer:
+        assert all(r["copied"] > 0 for r in result)  # the step copied what was not written yet
+    else:
+        assert all(r["copied"] == 0 for r in result)  # nothing to protect: no copy at all

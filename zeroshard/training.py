@@ -63,6 +63,25 @@ class CheckpointingEngine(ZeroEngine):
         """Load model weights from a full model: one .safetensors file or an HF-style folder."""
         self.checkpointer.load_pretrained(path, strict=strict, storage_options=storage_options)
 
+    # State changes other than optimizer steps: an async save still reading the engine's memory
+    # gets its copy first (copy-on-write, zeroshard/checkpointing/snapshot.py).
+
+    def restore(self, engine_state: Any, *, strict: bool = True, adopt: bool = False) -> None:
+        self._before_state_change()
+        super().restore(engine_state, strict=strict, adopt=adopt)
+
+    def load_shards(self, states: Mapping[str, Mapping[str, Any]], strict: bool = True, adopt: bool = False) -> None:
+        self._before_state_change()
+        super().load_shards(states, strict=strict, adopt=adopt)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        self._before_state_change()
+        super().load_full_state_dict(state_dict, strict=strict)
+
+    def _before_state_change(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.before_state_change()
+
 
 def _scheduler(lr_scheduler: Any) -> dict[str, Any]:
     return {"lr_scheduler": lr_scheduler} if lr_scheduler is not None else {}

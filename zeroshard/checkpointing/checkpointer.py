@@ -6,7 +6,8 @@
 
 It owns what saving and loading share across calls: a gloo group of its own (only small Python
 objects travel on it, and a background save on it never interleaves with training's
-collectives), the background save and its snapshot buffers. It reaches the engine only through
+collectives), the background save, its snapshot buffers and the optimizer step pre-hook that
+makes async saves copy-on-write (snapshot.py). It reaches the engine only through
 `engine.checkpoint_state()` / `engine.restore()` (zeroshard/engine/contract.py); the mapping to
 files is contents.py (save) and load.py. Creating one is collective: every rank, same order.
 """
@@ -25,7 +26,7 @@ from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
 from zeroshard.checkpointing.save import (SaveJob, agree_on_save, claim_tag, new_checkpoint_id,
                                           write_and_commit)
-from zeroshard.checkpointing.snapshot import Snapshot
+from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.storage import Location
@@ -47,7 +48,10 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._snapshot = Snapshot()
+        self._eager, self._lazy = Snapshot(), Snapshot()  # async-save copies, reused from save to save
+        self._background: BackgroundSave | None = None
+        # copy-on-write (snapshot.py): a step must not change what a background save still reads
+        engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_state_change())
         atexit.register(self._join_at_exit)
 
     def save(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
@@ -83,18 +87,20 @@ class Checkpointer:
         try:
             # one exchange: the outcome, the checkpoint id (rank 0's) and every rank-state size
             agreed = agree_on_save(error, self.group, (new_checkpoint_id(), len(rank_state), tag))
-            contents = engine_contents(engine.checkpoint_state(), [size for _, size, _ in agreed], rank_state,
-                                       snapshot=self._snapshot if async_save else None)
+            contents = engine_contents(engine.checkpoint_state(), [size for _, size, _ in agreed], rank_state)
+            background = BackgroundSave(contents, self._eager, self._lazy) if async_save else None
         except BaseException:
             if claim is not None:  # this process lives on: its claim must not block the tag
                 claim.release()
             raise
         checkpoint_id, _, tag = agreed[0]  # rank 0's: a tag given per rank could differ
-        job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents, manifest_extra,
+        job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents,
+                      background.fill if background is not None else contents.fill, manifest_extra,
                       client_state if engine.rank == 0 else None, keep_last, claim)
         if not async_save:
             write_and_commit(job, self.group)
         else:
+            self._background = background
             self._thread = threading.Thread(target=self._run_in_background, args=(job,), name="zeroshard-save")
             self._thread.start()
         return root.url_of(tag)
@@ -116,11 +122,19 @@ class Checkpointer:
         self.wait()
         load_pretrained(self.engine, self.group, path, strict=strict, storage_options=storage_options)
 
+    def before_state_change(self) -> None:
+        """Copy what a running background save has not written yet (copy-on-write): called by
+        the optimizer's step pre-hook, and by the engine conveniences before restoring state.
+        Call it before changing the engine's masters or optimizer state any other way."""
+        if self._background is not None:
+            self._background.detach()
+
     def wait(self) -> None:
         """Block until a background save has finished; raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._background = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -10,11 +10,10 @@ that is not a tensor goes into the manifest as JSON.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from zeroshard.checkpointing.snapshot import Snapshot
 from zeroshard.checkpointing.stateful import scalar_json, to_json_value
 from zeroshard.engine.contract import EngineState
 from zeroshard.format.training_state import optimizer_key, rank_state_key
@@ -32,54 +31,61 @@ class Held:
 
 @dataclass
 class RankContents:
-    """What one rank writes (`held`, for the shared `specs`) and, from rank 0, the manifest fields."""
+    """What one rank writes (`held`, for the shared `specs`) and, from rank 0, the manifest fields.
+
+    `held` tensors are live references to the engine's memory. `stepped` names those that only
+    an optimizer step changes (masters, per-element optimizer state); the others (buffers) may
+    change in any forward."""
 
     specs: list[TensorSpec]
     held: dict[str, Held]
+    stepped: set[str]
     manifest_fields: dict[str, Any]
 
+    def fill(self, spec: TensorSpec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
+        """The format writer's callback: the bytes of elements [start, end) of `spec`."""
+        held = self.held[spec.name]
+        part = held.tensor[start - held.start:end - held.start]
+        if part.device.type != "cpu":
+            part = part.to("cpu")
+        write(memoryview(part.contiguous().view(torch.uint8).numpy()))
 
-def engine_contents(state: EngineState, rank_state_sizes: list[int], rank_state: bytes,
-                    snapshot: Snapshot | None = None) -> RankContents:
-    """This rank's contents. `rank_state_sizes`: every rank's rank-state blob size (exchanged
-    before, so every rank lists the same specs). With a `snapshot`, tensors are copied into it
-    (training may go on while a background thread writes them); else they are live references."""
+
+def engine_contents(state: EngineState, rank_state_sizes: list[int], rank_state: bytes) -> RankContents:
+    """This rank's contents, as live references. `rank_state_sizes`: every rank's rank-state
+    blob size (exchanged before, so every rank lists the same specs)."""
     specs: list[TensorSpec] = []
     held: dict[str, Held] = {}
-    pending: list[tuple[str, torch.Tensor, int]] = []
+    stepped: set[str] = set()
     scalar_state: dict[str, dict[str, Any]] = {}
+
+    def hold(name: str, tensor: torch.Tensor, start: int) -> None:
+        held[name] = Held(tensor.detach().reshape(-1), start)
 
     for info in state.params:
         layout = "flat" if info.shape else "whole"
         specs.append(TensorSpec(info.name, "param", "F32", tuple(info.shape), layout))
-        pending.append((info.name, info.fragment, info.start))
+        hold(info.name, info.fragment, info.start)
+        stepped.add(info.name)
         for key, value in info.tensor_state.items():
             name = optimizer_key(key, info.name)
             specs.append(TensorSpec(name, "optimizer", dtype_name(value.dtype), tuple(info.shape), layout,
                                     param=info.name, state=key))
-            pending.append((name, value[: info.end - info.start], info.start))
+            hold(name, value[: info.end - info.start], info.start)
+            stepped.add(name)
         if info.scalar_state:
             scalar_state[info.name] = {k: scalar_json(v, f"optimizer state {k!r} of {info.name!r}")
                                        for k, v in info.scalar_state.items()}
     for buf in state.buffers:
         specs.append(TensorSpec(buf.name, "buffer", dtype_name(buf.dtype), tuple(buf.tensor.shape), "whole"))
         if state.rank == 0:
-            pending.append((buf.name, buf.tensor.to(buf.dtype), 0))
+            hold(buf.name, buf.tensor if buf.tensor.dtype == buf.dtype else buf.tensor.to(buf.dtype), 0)
     for rank, size in enumerate(rank_state_sizes):
         if size:  # ranks without per-rank Stateful objects store nothing
             specs.append(TensorSpec(rank_state_key(rank), "extra", "U8", (size,), "local", owner=rank))
-
-    flat = [(name, tensor.detach().reshape(-1), start) for name, tensor, start in pending]
-    copies = snapshot.take([t for _, t, _ in flat]) if snapshot is not None else [_on_host(t) for _, t, _ in flat]
-    for (name, _, start), tensor in zip(flat, copies):
-        held[name] = Held(tensor, start)
     if rank_state:
-        held[rank_state_key(state.rank)] = Held(torch.frombuffer(bytearray(rank_state), dtype=torch.uint8), 0)
-    return RankContents(specs, held, _manifest_fields(state, scalar_state) if state.rank == 0 else {})
-
-
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        hold(rank_state_key(state.rank), torch.frombuffer(bytearray(rank_state), dtype=torch.uint8), 0)
+    return RankContents(specs, held, stepped, _manifest_fields(state, scalar_state) if state.rank == 0 else {})
 
 
 def _manifest_fields(state: EngineState, scalar_state: dict[str, Any]) -> dict[str, Any]:

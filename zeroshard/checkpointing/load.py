@@ -7,6 +7,13 @@ buffers, stored once in rank 0's file). Names and shapes are checked before anyt
 read errors are agreed on by all ranks (zeroshard.agree) before anything is restored, so a bad
 checkpoint raises everywhere instead of hanging a collective. What was read becomes an
 EngineState that `engine.restore()` applies; Stateful objects get theirs after it.
+
+Speed: the engine's host-memory masters and optimizer state are read into *in place* (no
+allocation, no copy: a load runs at the speed of the reads and the hashes). The price: a read
+that fails half-way (a hash mismatch found at the end of a fragment, an I/O error) leaves those
+tensors partly overwritten. The error says so on every rank; load a good checkpoint before
+training on. Everything that can be checked before reading (manifest, names, shapes, every
+needed file's header and size) is checked first.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from zeroshard.checkpointing.stateful import decode_rank_state, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
+from zeroshard.format.reader import fragments_of
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.format.training_state import global_stateful, legacy_rng_key, rank_state_key
@@ -63,15 +71,25 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     rank_states: dict[str, Any] = {}
     manifest: Manifest | None = None
     error = None
+    reading = False
     try:
         location, manifest = open_checkpoint(path, storage_options)
         with CheckpointReader(location, manifest) as reader:
-            loaded = read_engine_state(target, manifest, reader, location.url, strict=strict,
-                                       load_optimizer_states=load_optimizer_states)
+            names = _check_names({i.name: tuple(i.shape) for i in target.params},
+                                 {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"},
+                                 location.url, strict)
+            open_needed_files(reader, manifest, target, names)
+            reading = True
+            loaded = read_engine_state(target, manifest, reader, names, load_optimizer_states=load_optimizer_states)
             if manifest.world_size == target.world_size:
                 rank_states = read_rank_states(manifest, reader, target.rank)
     except (ZeroshardError, OSError, ValueError) as exc:
         error = exc
+        if reading:
+            where = exc.where if isinstance(exc, CheckpointError) else path
+            problem = exc.problem if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            error = CheckpointError(where, f"{problem}; this rank's engine state is now partly overwritten: "
+                                           "load a good checkpoint before training on")
     agree(error, group, action=ACTION)
     assert loaded is not None and manifest is not None
     engine.restore(loaded, strict=False, adopt=True)
@@ -87,13 +105,23 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     return manifest.client_state
 
 
-def read_engine_state(target: EngineState, manifest: Manifest, reader: CheckpointReader, where: str, *,
-                      strict: bool, load_optimizer_states: bool) -> EngineState:
-    """This rank's ranges of `target`'s parameters (and the buffers, counters, param groups) read
-    from the checkpoint, as an EngineState for `restore`."""
-    shapes = {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"}
+def open_needed_files(reader: CheckpointReader, manifest: Manifest, target: EngineState, names: list[str]) -> None:
+    """Open (and check the header and size of) every file holding this rank's ranges, before a
+    byte is read into the engine."""
     infos = {info.name: info for info in target.params}
-    names = _check_names({n: tuple(i.shape) for n, i in infos.items()}, shapes, where, strict)
+    ranks = {rank for name in names for rank, _, _ in
+             fragments_of(manifest.tensors[name], manifest.world_size, infos[name].start, infos[name].end)}
+    if any(t.role == "buffer" for t in manifest.tensors.values()):
+        ranks.add(0)
+    for rank in sorted(ranks):
+        reader.open_file(rank)
+
+
+def read_engine_state(target: EngineState, manifest: Manifest, reader: CheckpointReader, names: list[str], *,
+                      load_optimizer_states: bool) -> EngineState:
+    """This rank's ranges of the parameters `names` of `target` (and the buffers, counters,
+    param groups) read from the checkpoint, as an EngineState for `restore`."""
+    infos = {info.name: info for info in target.params}
     optimizer_entries: dict[str, list[TensorEntry]] = {}  # by parameter: one pass, not one per parameter
     for entry in manifest.tensors.values():
         if entry.role == "optimizer":
@@ -102,7 +130,7 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
     params = []
     for name in names:
         info = infos[name]
-        fragment = reader.read_flat(manifest.tensors[name], info.start, info.end)
+        fragment = _read_master(reader, manifest.tensors[name], info)
         opt: dict[str, Any] = {}
         if load_optimizer_states and info.requires_grad:
             opt = _optimizer_state(reader, optimizer_entries.get(name, []), scalars.get(name, {}), info,
@@ -134,14 +162,34 @@ def _scalar(entry: dict[str, Any], device: torch.device) -> Any:
     return entry["value"]
 
 
+def _in_place(live: Any, dtype: torch.dtype, chunk: int) -> bool:
+    """Whether a live engine tensor can be read into as it is (host memory, the padded layout)."""
+    return (torch.is_tensor(live) and live.device.type == "cpu" and live.dtype == dtype and live.dim() == 1
+            and live.numel() == chunk and live.is_contiguous())
+
+
+def _read_master(reader: CheckpointReader, entry: TensorEntry, info: Any) -> torch.Tensor:
+    """Host masters are read straight into the engine's own tensor (restore() then copies
+    nothing); device masters through a host tensor."""
+    if _in_place(info.master, torch.float32, info.chunk) and entry.dtype == "F32":
+        owned = info.end - info.start
+        if owned:
+            reader.read_into(entry, info.start, memoryview(info.master[:owned].view(torch.uint8).numpy()))
+        return info.master
+    return reader.read_flat(entry, info.start, info.end)
+
+
 def _optimizer_state(reader: CheckpointReader, entries: list[TensorEntry], scalars: dict[str, Any], info: Any,
                      device: torch.device) -> dict[str, Any]:
     """Per-element state is read straight into tensors of the engine's padded layout (`chunk`
-    elements, zero padding), which restore() takes over without another copy."""
+    elements, zero padding): the engine's own where it has them (a resumed or reloaded
+    engine), else new ones, which restore(adopt=True) takes over without another copy."""
     state: dict[str, Any] = {}
     owned = info.end - info.start
     for entry in entries:
-        padded = torch.empty(info.chunk, dtype=torch_dtype(entry.dtype), device="cpu")
+        dtype = torch_dtype(entry.dtype)
+        live = info.optimizer_state.get(entry.state)
+        padded = live if _in_place(live, dtype, info.chunk) else torch.empty(info.chunk, dtype=dtype, device="cpu")
         padded[owned:].zero_()
         if owned:
             reader.read_into(entry, info.start, memoryview(padded[:owned].view(torch.uint8).numpy()))

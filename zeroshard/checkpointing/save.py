@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.contents import RankContents
@@ -41,6 +41,7 @@ class SaveJob:
     rank: int
     world_size: int
     contents: RankContents
+    fill: Callable  # the format writer's callback: contents.fill, or a BackgroundSave's
     manifest_extra: dict[str, Any]  # rank 0: stateful states, client state
     client_state: Any
     keep_last: int | None
@@ -88,7 +89,7 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             target.makedirs()
             specs = job.contents.specs
             result = write_rank_file(target, job.checkpoint_id, job.rank, job.world_size,
-                                     rank_contents(specs, job.world_size, job.rank), _filler(job.contents))
+                                     rank_contents(specs, job.world_size, job.rank), job.fill)
             error = None
         except Exception as exc:  # reported to every rank
             result, error = None, CheckpointSaveError(
@@ -112,16 +113,6 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
     finally:
         if job.claim is not None:
             job.claim.release()
-
-
-def _filler(contents: RankContents):
-    def fill(spec, start: int, end: int, write) -> None:
-        import torch
-
-        held = contents.held[spec.name]
-        part = held.tensor[start - held.start:end - held.start]
-        write(memoryview(part.contiguous().view(torch.uint8).numpy()))
-    return fill
 
 
 def prune(root: Location, keep_last: int, keep: str) -> None:

@@ -1,31 +1,32 @@
-"""Async saves: a copy of the rank's state, taken while training waits, written in the background.
+"""Async saves: the rank's state written on a background thread while training goes on.
 
-The copy is all that training waits for, so it is made fast:
-- its buffers are kept from save to save (allocating, and first touching, fresh memory costs
-  several times the copy itself; safe because a save always waits for the previous one first);
-- on CUDA they are pinned, and the device-to-host copies are asynchronous, synchronized once;
-- on the CPU the bytes are cut into chunks of a few MiB copied by a small thread pool (torch's
-  copy releases the GIL), so the copy runs at the memory bandwidth of several cores, not one.
+What training waits for is made as small as possible:
+- tensors that only an optimizer step changes (the fp32 masters and per-element optimizer state,
+  when they live in host memory) are not copied at all when the save starts: the background
+  writer reads them in place, and *copy-on-write* protects them: the next optimizer step (or any
+  restore/load into the engine) first calls `BackgroundSave.detach()`, which copies whatever the
+  writer has not written yet. When the write finishes before the next step, as it does when a
+  step takes longer than a save, nothing is ever copied;
+- everything else (buffers, which a forward may change, and tensors on a GPU) is copied at once,
+  into buffers kept from save to save (allocating, and first touching, fresh memory costs
+  several times the copy itself), pinned on CUDA with asynchronous device-to-host copies.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import torch
 
-CHUNK_BYTES = 4 << 20
+from zeroshard.checkpointing.contents import Held, RankContents
 
 
 class Snapshot:
     """Reusable host copies of a list of 1-D tensors (the buffers follow the tensors' sizes)."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
-        self.threads = threads or min(8, max(1, (os.cpu_count() or 1)))
-        self._pool: ThreadPoolExecutor | None = None
 
     def take(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of `tensors` (1-D), valid until the next take()."""
@@ -34,31 +35,48 @@ class Snapshot:
         for i, t in enumerate(tensors):
             if i >= len(self.buffers):
                 self.buffers.append(torch.empty(0, dtype=torch.uint8))
-            buf = self.buffers[i]
             nbytes = t.numel() * t.element_size()
-            if buf.numel() != nbytes:
-                buf = self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-            out.append(buf.view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype))
+            if self.buffers[i].numel() != nbytes:
+                self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            out.append(self.buffers[i].view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype))
         del self.buffers[len(tensors):]
+        for dst, src in zip(out, tensors):
+            dst.copy_(src, non_blocking=cuda)
         if cuda:
-            for dst, src in zip(out, tensors):
-                dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
-        else:
-            self._copy_parallel(out, tensors)
         return out
 
-    def _copy_parallel(self, out: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        jobs = []
-        for dst, src in zip(out, tensors):
-            step = max(1, CHUNK_BYTES // max(1, src.element_size()))
-            for begin in range(0, src.numel(), step):
-                jobs.append((dst[begin: begin + step], src[begin: begin + step]))
-        if self.threads == 1 or len(jobs) < 2:
-            for dst, src in jobs:
-                dst.copy_(src)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zeroshard-snapshot")
-        for future in [self._pool.submit(dst.copy_, src) for dst, src in jobs]:
-            future.result()
+
+class BackgroundSave:
+    """The contents of one async save, safe to write on another thread while training runs."""
+
+    def __init__(self, contents: RankContents, eager: Snapshot, lazy: Snapshot) -> None:
+        self.contents = contents
+        self._lazy = lazy
+        self._lock = threading.Lock()
+        self._written: set[str] = set()
+        self._detached = False
+        # copied now: what a forward may change, and what is not in host memory
+        now = [name for name, held in contents.held.items()
+               if name not in contents.stepped or held.tensor.device.type != "cpu"]
+        for name, copy in zip(now, eager.take([contents.held[n].tensor for n in now])):
+            contents.held[name] = Held(copy, contents.held[name].start)
+        self._live = [name for name in contents.held if name not in set(now)]
+
+    def fill(self, spec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
+        """The writer's callback (background thread): one tensor at a time, under the lock."""
+        with self._lock:
+            self.contents.fill(spec, start, end, write)
+            self._written.add(spec.name)
+
+    def detach(self) -> None:
+        """Before the engine's state changes (training thread): copy what is not written yet.
+        Waits for the tensor being written, if any; a no-op after the first call."""
+        with self._lock:
+            if self._detached:
+                return
+            self._detached = True
+            rest = [name for name in self._live if name not in self._written]
+            held = self.contents.held
+            for name, copy in zip(rest, self._lazy.take([held[n].tensor for n in rest])):
+                held[name] = Held(copy, held[name].start)
