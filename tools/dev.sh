@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two commands of the README contract, each doing its own set-up:
 #   tools/dev.sh demo   - the main job (train with ZeRO on CPU ranks, checkpoint, reshard, consolidate)
-#   tools/dev.sh test   - the test suite
+#   tools/dev.sh test   - the lint (ruff) and the test suite; with arguments, only pytest with them
+#   tools/dev.sh lint   - ruff alone (pass --fix to apply its safe fixes)
 # Set-up: a virtual environment in .venv with torch pinned (tools/constraints.txt) and
 # zeroshard installed editable with its test extra. Re-runs are quick: a stamp file remembers
 # which pyproject/constraints the environment was built from.
@@ -44,6 +45,10 @@ shift || true
 case "$cmd" in
     setup) setup ;;
     demo) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$py" tools/demo.py "$@" ;;
-    test) setup; test_extras; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$py" -m pytest -q "$@" ;;
-    *) echo "usage: tools/dev.sh {demo|test|setup} [args...]" >&2; exit 2 ;;
+    # With no arguments (as CI runs it) the lint comes first: ruff, pinned in the test extra.
+    test) setup; test_extras; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+          if [ $# -eq 0 ]; then echo "== lint: ruff check"; "$venv/bin/ruff" check .; fi
+          exec "$py" -m pytest -q "$@" ;;
+    lint) setup; exec "$venv/bin/ruff" check "$@" . ;;
+    *) echo "usage: tools/dev.sh {demo|test|lint|setup} [args...]" >&2; exit 2 ;;
 esac
