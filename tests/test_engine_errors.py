@@ -119,14 +119,14 @@ def errors() -> list[dict[str, tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("case, kind, words", [
-    ("step_without_backward", "RuntimeError", "without engine.backward"),
-    ("second_step", "RuntimeError", "without engine.backward"),
+    ("step_without_backward", "EngineUsageError", "without engine.backward"),
+    ("second_step", "EngineUsageError", "without engine.backward"),
     ("no_parameters", "ValueError", "has no parameters"),
     ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]"),
     ("model_mismatch", "ValueError", "differ between rank 0 and rank(s) [1]"),
-    ("plain_loss_backward", "RuntimeError", "call engine.backward(loss)"),
+    ("plain_loss_backward", "EngineUsageError", "call engine.backward(loss)"),
     ("lbfgs", "TypeError", "LBFGS updates whole tensors"),
-    ("outside_unit", "RuntimeError", "stage3_unit_classes"),
+    ("outside_unit", "EngineUsageError", "stage3_unit_classes"),
     ("outside_unit_fixed", "no error", ""),
     ("unknown_unit_class", "ValueError", "no module of class ['Blok']"),
 ])

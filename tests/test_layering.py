@@ -81,3 +81,25 @@ def test_nothing_outside_the_engine_touches_its_private_state():
                     continue
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     assert not offenders, "engine internals used outside zeroshard/engine: " + ", ".join(offenders)
+
+
+def test_every_error_class_is_a_zeroshard_error_exported_from_the_package():
+    import zeroshard
+    from zeroshard import errors
+
+    classes = {name: obj for name, obj in vars(errors).items()
+               if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")}
+    assert len(classes) >= 9
+    for name, cls in classes.items():
+        assert issubclass(cls, zeroshard.ZeroshardError), name
+        assert getattr(zeroshard, name) is cls and name in zeroshard.__all__, name
+    # no public error class defined anywhere else in the package (private ones never leave their module)
+    elsewhere = []
+    for path in ROOT.glob("zeroshard/**/*.py"):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception")) for b in node.bases):
+                elsewhere.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert not elsewhere, elsewhere

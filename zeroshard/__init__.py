@@ -7,14 +7,14 @@ Every error zeroshard raises on purpose is a ZeroshardError (zeroshard/errors.py
 
 from typing import Any
 
-from zeroshard.errors import (CheckpointError, CheckpointSaveError, ClaimError, ConfigError, OtherRanksFailedError,
-                              OutputExistsError, StorageError, ZeroshardError)
+from zeroshard.errors import (CheckpointError, CheckpointSaveError, ClaimError, ConfigError, EngineUsageError,
+                              OtherRanksFailedError, OutputExistsError, StorageError, ZeroshardError)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "ConfigError",
-           "__version__"]
+           "EngineUsageError", "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",

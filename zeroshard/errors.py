@@ -10,6 +10,7 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- CheckpointSaveError         a save failed on some rank: nothing committed
     +-- OtherRanksFailedError       raised on the ranks that did not fail, naming those that did
     +-- ConfigError (also ValueError)  an invalid engine config
+    +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
 """
 
 from __future__ import annotations
@@ -77,3 +78,7 @@ class OtherRanksFailedError(ZeroshardError):
 
 class ConfigError(ZeroshardError, ValueError):
     """An invalid engine config (unknown key, bad value or type); names the key."""
+
+
+class EngineUsageError(ZeroshardError, RuntimeError):
+    """The engine was used out of order or against its rules (the message says which and how to fix it)."""

@@ -46,6 +46,7 @@ from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
+from zeroshard.errors import EngineUsageError
 
 
 _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
@@ -232,7 +233,7 @@ class ZeroEngine:
         except RuntimeError as e:
             self._stage3.release_all()
             if "storage of size 0" in str(e):
-                raise RuntimeError(_UNGATHERED) from e
+                raise EngineUsageError(_UNGATHERED) from e
             raise
         except BaseException:
             self._stage3.release_all()
@@ -251,7 +252,7 @@ class ZeroEngine:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError("engine.backward expects the scalar loss tensor")
         if not loss.requires_grad:
-            raise RuntimeError("the loss does not require grad (was forward run under torch.no_grad?)")
+            raise EngineUsageError("the loss does not require grad (was forward run under torch.no_grad?)")
         self._reducing = self.stage >= 2 or self.is_gradient_accumulation_boundary()
         if self._reducing:
             self.reducer.begin()
@@ -265,7 +266,7 @@ class ZeroEngine:
             if self._stage3 is not None:
                 self._stage3.release_all()
                 if isinstance(e, RuntimeError) and "storage of size 0" in str(e):
-                    raise RuntimeError(_UNGATHERED + " (in backward: was a unit's output modified "
+                    raise EngineUsageError(_UNGATHERED + " (in backward: was a unit's output modified "
                                        "in place? use out-of-place ops on unit outputs)") from e
             raise
         finally:
@@ -279,7 +280,7 @@ class ZeroEngine:
     def _on_grad(self, shard: ParamShard, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: hand a finished gradient to the reducer and free it."""
         if not self._in_backward:
-            raise RuntimeError("a gradient reached a zeroshard parameter outside engine.backward(): "
+            raise EngineUsageError("a gradient reached a zeroshard parameter outside engine.backward(): "
                                "call engine.backward(loss), not loss.backward()")
         if not self._reducing:
             return  # stages 0/1 between boundaries: keep accumulating in .grad
@@ -291,7 +292,7 @@ class ZeroEngine:
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the weights and zero grads."""
         if not self._backward_done:
-            raise RuntimeError("engine.step() called without engine.backward(loss) since the last step()")
+            raise EngineUsageError("engine.step() called without engine.backward(loss) since the last step()")
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
         self.micro_steps += 1

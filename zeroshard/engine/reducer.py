@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.collectives import reduce_scatter
 from zeroshard.engine.layout import ParamShard, flat_to_rows
+from zeroshard.errors import EngineUsageError
 
 
 @dataclass(eq=False)
@@ -95,7 +96,7 @@ class GradReducer:
         """Copy `grad` (the full gradient) into its bucket; launch buckets that are due."""
         bucket, offset = self.bucket_of[shard.index]
         if shard.index in bucket.ready:
-            raise RuntimeError(f"gradient of {shard.name!r} arrived twice in one backward")
+            raise EngineUsageError(f"gradient of {shard.name!r} arrived twice in one backward")
         self._copy_in(bucket, offset, shard, grad)
         if self._seen is not None:
             self._seen.append(shard.index)
