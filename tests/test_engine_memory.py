@@ -77,6 +77,10 @@ def test_memory_report_matches_formulas_bf16(world: int) -> None:
                 assert close(got["total"], sum(want.values())), (stage, rank, point, got)
                 assert got["master"] == 4 * (r["psi"] if stage == 0 else r["c"])
                 assert got["comm"] == 0 and got["buffers"] == 0
+            # After a step at stages 1-2 the updated parameters' all-gather is in flight (one
+            # bucket here): world x chunk elements of bf16 are held until the next forward.
+            in_flight = world * r["c"] * 2 if stage in (1, 2) else 0
+            assert r["after_step"]["comm"] == in_flight, (stage, rank, r["after_step"]["comm"], in_flight)
 
 
 def test_memory_report_fp32_stage0_is_ddp() -> None:

@@ -20,8 +20,9 @@ def report(engine: "ZeroEngine") -> dict[str, int]:
 
     params: module parameters in the compute dtype (stage 3: only units gathered right now);
     grads: module `.grad` plus the fp32 gradient shards; optimizer: fp32 master chunks plus the
-    optimizer's state tensors (the paper's KΨ); buffers: module buffers; comm: bucket and
-    prefetch buffers in flight. total = params + grads + optimizer + buffers + comm.
+    optimizer's state tensors (the paper's KΨ); buffers: module buffers; comm: gradient buckets,
+    stage-3 prefetch buffers and stage 1-2 parameter gathers in flight.
+    total = params + grads + optimizer + buffers + comm.
     Informational, not added again: master and optimizer_state (the two parts of `optimizer`:
     fp32 master weights, 0 when they alias the parameters; the optimizer's own state) and, on
     CUDA, cuda_allocated.
@@ -51,8 +52,9 @@ def report(engine: "ZeroEngine") -> dict[str, int]:
         "grads": grads,
         "optimizer": master + opt_state,
         "buffers": count(module.buffers()),
-        "comm": engine.reducer.held_bytes() + (
-            engine._stage3.inflight_bytes() if engine._stage3 is not None else 0),
+        "comm": engine.reducer.held_bytes()
+        + (engine._stage3.inflight_bytes() if engine._stage3 is not None else 0)
+        + (engine._refresh.inflight_bytes() if engine._refresh is not None else 0),
     }
     out["total"] = sum(out.values())
     out["master"] = master

@@ -44,6 +44,10 @@ class ParamRefresh:
             if mine:
                 self.handles.append(m.register_forward_pre_hook(partial(self._pre_forward, mine)))
 
+    def inflight_bytes(self) -> int:
+        """Bytes of gather buffers launched and not yet copied into the parameters."""
+        return sum(g.out.numel() * g.out.element_size() for g in self.inflight.values())
+
     def _build(self, order: list[int]) -> None:
         self.buckets = buckets([self.shards[i] for i in order], self.world, self.bucket_elems)
         index = {id(s): b for b, bucket in enumerate(self.buckets) for s in bucket}
