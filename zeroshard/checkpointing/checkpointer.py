@@ -71,10 +71,10 @@ class Checkpointer:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         root = Location(path, storage_options)
-        claim = error = None
+        claim = error = contents = background = None
         rank_state = b""
         manifest_extra: dict[str, Any] = {}
-        try:
+        try:  # everything that can fail locally happens before the ranks agree
             if engine.rank == 0:
                 claim = claim_tag(root, tag)
                 manifest_extra["stateful"] = {k: to_json_value(o.state_dict(), f"state of {k!r}")
@@ -82,17 +82,19 @@ class Checkpointer:
                 client_state = to_json_value(client_state, "client_state") if client_state is not None else None
             per_rank = {k: o.state_dict() for k, o in objects.items() if scope_of(o) == "rank"}
             rank_state = encode_rank_state(per_rank) if per_rank else b""
+            contents = engine_contents(engine.checkpoint_state(), rank_state)
+            background = BackgroundSave(contents, self._eager, self._lazy) if async_save else None
         except Exception as exc:  # every rank learns of it before anything is written
             error = exc
         try:
             # one exchange: the outcome, the checkpoint id (rank 0's) and every rank-state size
             agreed = agree_on_save(error, self.group, (new_checkpoint_id(), len(rank_state), tag))
-            contents = engine_contents(engine.checkpoint_state(), [size for _, size, _ in agreed], rank_state)
-            background = BackgroundSave(contents, self._eager, self._lazy) if async_save else None
         except BaseException:
             if claim is not None:  # this process lives on: its claim must not block the tag
                 claim.release()
             raise
+        assert contents is not None
+        contents.list_rank_states([size for _, size, _ in agreed])
         checkpoint_id, _, tag = agreed[0]  # rank 0's: a tag given per rank could differ
         job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents,
                       background.fill if background is not None else contents.fill, manifest_extra,

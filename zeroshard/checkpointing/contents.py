@@ -42,6 +42,13 @@ class RankContents:
     stepped: set[str]
     manifest_fields: dict[str, Any]
 
+    def list_rank_states(self, sizes: list[int]) -> None:
+        """Add every rank's rank-state blob (`sizes`, exchanged between the ranks) to the specs,
+        so that all ranks list the same tensors."""
+        for rank, size in enumerate(sizes):
+            if size:  # ranks without per-rank Stateful objects store nothing
+                self.specs.append(TensorSpec(rank_state_key(rank), "extra", "U8", (size,), "local", owner=rank))
+
     def fill(self, spec: TensorSpec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
         """The format writer's callback: the bytes of elements [start, end) of `spec`."""
         held = self.held[spec.name]
@@ -51,9 +58,9 @@ class RankContents:
         write(memoryview(part.contiguous().view(torch.uint8).numpy()))
 
 
-def engine_contents(state: EngineState, rank_state_sizes: list[int], rank_state: bytes) -> RankContents:
-    """This rank's contents, as live references. `rank_state_sizes`: every rank's rank-state
-    blob size (exchanged before, so every rank lists the same specs)."""
+def engine_contents(state: EngineState, rank_state: bytes) -> RankContents:
+    """This rank's contents, as live references; `rank_state`: its rank-state blob. The specs
+    are complete once `list_rank_states` has every rank's blob size."""
     specs: list[TensorSpec] = []
     held: dict[str, Held] = {}
     stepped: set[str] = set()
@@ -80,9 +87,6 @@ def engine_contents(state: EngineState, rank_state_sizes: list[int], rank_state:
         specs.append(TensorSpec(buf.name, "buffer", dtype_name(buf.dtype), tuple(buf.tensor.shape), "whole"))
         if state.rank == 0:
             hold(buf.name, buf.tensor if buf.tensor.dtype == buf.dtype else buf.tensor.to(buf.dtype), 0)
-    for rank, size in enumerate(rank_state_sizes):
-        if size:  # ranks without per-rank Stateful objects store nothing
-            specs.append(TensorSpec(rank_state_key(rank), "extra", "U8", (size,), "local", owner=rank))
     if rank_state:
         hold(rank_state_key(state.rank), torch.frombuffer(bytearray(rank_state), dtype=torch.uint8), 0)
     return RankContents(specs, held, stepped, _manifest_fields(state, scalar_state) if state.rank == 0 else {})
