@@ -237,3 +237,25 @@ def test_async_saves_are_copy_on_write(tmp_path, slow_writer):
         assert all(r["copied"] > 0 for r in result)  # the step copied what was not written yet
     else:
         assert all(r["copied"] == 0 for r in result)  # nothing to protect: no copy at all
+
+
+def load_anywhere(rank: int, world: int, path: str) -> str:
+    engine = _engine(seed=5)
+    try:
+        engine.load_checkpoint(path)
+    except zeroshard.ZeroshardError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_flipped_byte_is_caught_by_a_load_at_any_world_size(tmp_path, world):
+    """At another world size a rank reads only parts of the saved fragments; their hashes cover
+    whole fragments, so the loader reads the rest too (into scratch) to check them."""
+    from test_bad_input import flip_byte_in
+
+    run_ranks(save_for_size, 2, timeout=120, path=str(tmp_path / "ck"))
+    flip_byte_in(tmp_path / "ck" / "t" / "rank-00000-of-00002.safetensors", "0.weight")
+    result = run_ranks(load_anywhere, world, timeout=120, path=str(tmp_path / "ck" / "t"))
+    assert all(r != "loaded" for r in result), result
+    assert any("0.weight" in r and "hash mismatch" in r for r in result), result

@@ -74,7 +74,8 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     reading = False
     try:
         location, manifest = open_checkpoint(path, storage_options)
-        with CheckpointReader(location, manifest) as reader:
+        # at another world size this rank reads parts of saved fragments: hash the rest too
+        with CheckpointReader(location, manifest, complete_fragments=True) as reader:
             names = _check_names({i.name: tuple(i.shape) for i in target.params},
                                  {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"},
                                  location.url, strict)

@@ -121,10 +121,16 @@ class OpenFile:
 class CheckpointReader:
     """Ranged, verified reads from one checkpoint. Use as a context manager."""
 
-    def __init__(self, location: Location, manifest: Manifest, verify_hashes: bool = True):
+    def __init__(self, location: Location, manifest: Manifest, verify_hashes: bool = True,
+                 complete_fragments: bool = False):
+        """complete_fragments: a read_into that covers only part of a saved fragment also reads
+        (into scratch) and hashes the rest of it, so every byte it returns is verified. For
+        callers that read each (tensor, rank) range once, such as a load at another world size;
+        readers that read whole fragments (the toolkit) never need it."""
         self.location = location
         self.manifest = manifest
         self.verify_hashes = verify_hashes
+        self.complete_fragments = complete_fragments and verify_hashes
         self._open: dict[int, OpenFile] = {}
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
@@ -182,12 +188,27 @@ class CheckpointReader:
             # Locally, read and hash in pieces that are still in the CPU cache when hashed: a
             # verified read then costs ~1.2x an unverified one instead of ~1.5x (docs/BENCHMARKS.md).
             step = HASHED_READ_BYTES if self.verify_hashes and self.location.local else max(1, len(out))
+            complete = self.complete_fragments and (tensor.name, rank) not in self._hashing
+            if complete and offset > 0:
+                self._hash_unused(tensor, rank, opened, entry, 0, offset)
             for at in range(0, len(out), step):
                 piece = out[at: at + step]
                 opened.reader.read_into(entry.begin + offset + at, piece)
                 if self.verify_hashes:
                     self._hash(tensor, rank, offset + at, piece)
+            if complete and offset + len(out) < entry.end - entry.begin:
+                self._hash_unused(tensor, rank, opened, entry, offset + len(out), entry.end - entry.begin)
             self.bytes_read += len(out)
+
+    def _hash_unused(self, tensor: TensorEntry, rank: int, opened: OpenFile, entry: HeaderEntry, begin: int,
+                     end: int) -> None:
+        """Read bytes [begin, end) of a fragment that the caller does not want, only to hash them."""
+        scratch = memoryview(bytearray(min(HASHED_READ_BYTES, end - begin)))
+        for at in range(begin, end, len(scratch)):
+            piece = scratch[: min(len(scratch), end - at)]
+            opened.reader.read_into(entry.begin + at, piece)
+            self._hash(tensor, rank, at, piece)
+        self.bytes_read += end - begin
 
     def read_flat(self, tensor: TensorEntry, start: int = 0, end: int | None = None) -> "torch.Tensor":
         """Elements [start, end) of a global tensor as a new 1-D torch tensor."""
