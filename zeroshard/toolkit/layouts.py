@@ -76,6 +76,7 @@ class RankLayouts:
         head = _PREFIX + _metadata_json(metadata)
         if not text.startswith(head):  # build_header_bytes composes differently: this module must follow
             raise AssertionError("rank header layout changed; update zeroshard.toolkit.layouts")
+        count = len(self.tensors)
         begin, nbytes = [-1] * count, [0] * count
         order = [self.index[t.name] for t, _, _ in contents]
         for i, (t, _, _) in zip(order, contents):
