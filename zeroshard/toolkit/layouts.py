@@ -33,11 +33,12 @@ class Run:
     first: int
     end: int
     tensors: list[int]  # indices (into RankLayouts.tensors) of the fragments, in file order
-    begin: list[int]  # per tensor index: its byte offset from the start of the data section; -1 when absent
-    nbytes: list[int]  # per tensor index: its fragment's bytes (0 when absent)
+    begin: list[int]  # each fragment's byte offset from the start of the data section (same order)
+    nbytes: list[int]  # each fragment's bytes
     table_begin: int  # the hash table's offset from the start of the data section (-1: no table)
     data_bytes: int  # the data section's size, table included
     tail: bytes  # the header JSON after the metadata: `,<tensors>}` (padding not included)
+    arrays: tuple | None = None  # the three lists above as arrays, made by whoever needs them
 
 
 class RankLayouts:
@@ -63,6 +64,9 @@ class RankLayouts:
                 holder = t.owner if t.layout == "local" else 0
                 breaks.update((holder, holder + 1))
         self.starts = sorted(b for b in breaks if 0 <= b <= world_size)[:-1]
+        # the metadata's JSON differs between ranks only in the rank: split it there, once
+        left, mark, right = _metadata_json(self.metadata(0)).partition(b'"rank":"0"')
+        self._meta = (left + b'"rank":"', b'"' + right) if mark and mark not in right else None
         self.runs = [self._run(first, end) for first, end in zip(self.starts, self.starts[1:] + [world_size])]
 
     def _run(self, first: int, end: int) -> Run:
@@ -76,12 +80,9 @@ class RankLayouts:
         head = _PREFIX + _metadata_json(metadata)
         if not text.startswith(head):  # build_header_bytes composes differently: this module must follow
             raise AssertionError("rank header layout changed; update zeroshard.toolkit.layouts")
-        count = len(self.tensors)
-        begin, nbytes = [-1] * count, [0] * count
         order = [self.index[t.name] for t, _, _ in contents]
-        for i, (t, _, _) in zip(order, contents):
-            _, _, b, e = relative[t.name]
-            begin[i], nbytes[i] = b, e - b
+        begin = [relative[t.name][2] for t, _, _ in contents]
+        nbytes = [relative[t.name][3] - relative[t.name][2] for t, _, _ in contents]
         table_begin = relative[HASH_TABLE_NAME][2] if self.hash_table else -1
         data_bytes = max((r[3] for r in relative.values()), default=0)
         return Run(first, end, order, begin, nbytes, table_begin, data_bytes, text[len(head):])
@@ -96,7 +97,11 @@ class RankLayouts:
 
     def header(self, rank: int) -> bytes:
         """The exact header bytes (length prefix included) of `rank`'s file."""
-        text = _PREFIX + _metadata_json(self.metadata(rank)) + self.run_of(rank).tail
+        if self._meta is not None:
+            meta = self._meta[0] + str(rank).encode() + self._meta[1]
+        else:
+            meta = _metadata_json(self.metadata(rank))
+        text = _PREFIX + meta + self.run_of(rank).tail
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 

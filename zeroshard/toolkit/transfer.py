@@ -189,6 +189,13 @@ def commit(target: Location, finished: Iterable[Finished]) -> None:
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
     """Fill this task's share of the outputs, reading each needed input file once, in rank order."""
+    if task.tensors is None and isinstance(job.planner, RankFilePlans):
+        from zeroshard.toolkit import packed
+
+        if packed.fits(job, job.planner):  # many small files: built in memory, one write each
+            done = packed.run_packed(job, job.planner, task, progress)
+            if done is not None:
+                return done
     source = Location(job.source_url, job.storage_options)
     target = Location(job.target_url, job.storage_options)
     plans = {i: job.planner.plan(i) for i in task.outputs}
