@@ -79,13 +79,10 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, f
     tids = pieces.tensor[first:end]
     unique = np.unique(tids)
     begins = np.empty(len(unique), dtype=np.int64)
-    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
+    if reader.verify_hashes:
+        check_whole_file(reader, rank, whole)
     for i, tid in enumerate(unique.tolist()):
-        name = pieces.names[tid]
-        _, _, begin, stop = entries[name]
-        begins[i] = begin
-        if recorded is not None and hash_bytes(whole[begin:stop]) != recorded[name]:
-            raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+        begins[i] = entries[pieces.names[tid]].begin
     source = begins[np.searchsorted(unique, tids)] + pieces.source_element[first:end] * pieces.itemsize[first:end]
     source_bytes = np.frombuffer(whole, dtype=np.uint8)
     outs = pieces.output[first:end]
@@ -103,6 +100,19 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, f
     del source_bytes, target, whole
     if progress is not None:
         progress(size)
+
+
+def check_whole_file(reader: "CheckpointReader", rank: int, whole: memoryview) -> None:
+    """An input file read whole is checked with one hash, the manifest's: it covers every byte,
+    header and hash table included, so no fragment hash needs computing. On a mismatch the
+    fragment hashes name the tensor when they can."""
+    if hash_bytes(whole) == reader.manifest.file_for_rank(rank).hash:
+        return
+    recorded = reader.fragment_hashes(rank)
+    for name, entry in reader.open_file(rank).header.entries.items():
+        if name in recorded and hash_bytes(whole[entry.begin:entry.end]) != recorded[name]:
+            raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+    raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")
 
 
 def _gather(target: np.ndarray, source: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:

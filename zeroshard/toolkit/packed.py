@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 PACK_FILE_BYTES = 8 * 1024 * 1024  # inputs and outputs up to this size take this path
 PACK_MIN_FILES = 64  # inputs + outputs: below this, per-file costs do not matter and the general path serves
 GATHER_MAX_BYTES = 64 * 1024  # bigger pieces are copied as slices
-GATHER_ELEMENTS = 1 << 21  # index arrays built per gather: bounds their memory (~50 MiB)
+GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
 
 _layouts: dict[tuple, RankLayouts] = {}  # per process: tasks of one job share them
 

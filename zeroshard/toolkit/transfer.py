@@ -5,7 +5,7 @@ This is how reshard and consolidate move bytes into local outputs. The cost is O
 fragments) with one memcpy per piece and no per-fragment open or system call (outputs are
 memory-mapped, zeroshard.storage.mapped_file); a 1,024 -> 1,000 reshard of 300 tiny tensors is
 about 600,000 pieces, so the per-piece path is kept short. Input fragments are hash-checked as
-they are read; 1.1 outputs get their fragment hashes, hash table and file hash in one pass over
+they are read (small files: one whole-file hash each); 1.1 outputs get their fragment hashes, hash table and file hash in one pass over
 each finished file. Work splits by output (whole files, or tensor ranges of one big file) into
 tasks that run in this process or in `workers` processes (spawned: no torch, no fork hazards).
 
@@ -105,6 +105,10 @@ class RankFilePlans:
 
     def pieces(self, index: int, source_world: int) -> int:
         return len(self.tensors) * (-(-source_world // self.world_size) + 1)
+
+    def nbytes(self, index: int) -> int:
+        """About how big each output is (for grouping outputs into tasks)."""
+        return sum(t.nbytes for t in self.tensors) // self.world_size
 
 
 def _piece_count(t: OutTensor, source_world: int) -> int:
@@ -286,18 +290,19 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
     """Read the needed fragments of one input file in file order, each front to back, hash-checked."""
     opened = reader.open_file(rank)
     entries = opened.header.entries
-    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
     size = opened.header.file_size
     whole = opened.reader.view(0, size) if size <= WINDOW_BYTES else None
     if whole is not None:  # a small local file (the many-ranks case): one map, a memcpy per piece
+        if reader.verify_hashes:
+            from zeroshard.toolkit.gather import check_whole_file
+
+            check_whole_file(reader, rank, whole)  # one hash for every byte
         out_views = {index: out.view for index, out in outputs.items()}
         written = dict.fromkeys(outputs, 0)
         tensors = reader.manifest.tensors
         for name, pieces in fragments.items():
             _, _, begin, end = entries[name]
             view = whole[begin:end]
-            if recorded is not None and hash_bytes(view) != recorded[name]:
-                raise _mismatch(reader, rank, name)
             tensor = tensors[name]
             itemsize, dtype_in = tensor.itemsize, tensor.dtype
             for src, index, dst, count, dtype in pieces:
@@ -315,6 +320,7 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
         if progress is not None:
             progress(size)
         return
+    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
     _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress)
 
 
@@ -425,24 +431,28 @@ def auto_workers(files: int, nbytes: int) -> int:
 
 
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
+TASK_BYTES = 32 * 1024 * 1024  # output bytes per task: bounds a packed task's buffers (zeroshard.toolkit.packed)
 
 
 def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
     """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
-    at most about PIECE_BUDGET pieces, with a few tasks per worker when there are workers."""
+    at most about PIECE_BUDGET pieces and TASK_BYTES of output, with a few tasks per worker when
+    there are workers."""
     costs = [planner.pieces(i, source_world) for i in range(planner.count)]
+    sizes = [planner.nbytes(i) for i in range(planner.count)]
     budget = PIECE_BUDGET
     if workers > 1:
         budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
     tasks: list[Task] = []
     group: list[int] = []
-    used = 0
-    for index, cost in enumerate(costs):
-        if group and used + cost > budget:
+    used = used_bytes = 0
+    for index, (cost, size) in enumerate(zip(costs, sizes)):
+        if group and (used + cost > budget or used_bytes + size > TASK_BYTES):
             tasks.append(Task(group))
-            group, used = [], 0
+            group, used, used_bytes = [], 0, 0
         group.append(index)
         used += cost
+        used_bytes += size
     if group:
         tasks.append(Task(group))
     return tasks
