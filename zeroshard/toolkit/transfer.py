@@ -96,6 +96,7 @@ class RankFilePlans:
     def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
         self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
         self.count = world_size
+        self._nbytes: int | None = None
 
     def plan(self, rank: int) -> OutputPlan:
         return plan_output(rank_file_name(rank, self.world_size),
@@ -108,7 +109,9 @@ class RankFilePlans:
 
     def nbytes(self, index: int) -> int:
         """About how big each output is (for grouping outputs into tasks)."""
-        return sum(t.nbytes for t in self.tensors) // self.world_size
+        if self._nbytes is None:
+            self._nbytes = sum(t.nbytes for t in self.tensors) // self.world_size
+        return self._nbytes
 
 
 def _piece_count(t: OutTensor, source_world: int) -> int:
