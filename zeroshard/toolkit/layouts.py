@@ -39,6 +39,7 @@ class Run:
     data_bytes: int  # the data section's size, table included
     tail: bytes  # the header JSON after the metadata: `,<tensors>}` (padding not included)
     arrays: tuple | None = None  # the three lists above as arrays, made by whoever needs them
+    body: bytes | None = None  # the fragments' JSON entries, table excluded (for ranks with per-rank tensors)
 
 
 class RankLayouts:
@@ -53,8 +54,21 @@ class RankLayouts:
         self.index = {t.name: i for i, t in enumerate(self.tensors)}
         self.world_size, self.checkpoint_id, self.version = world_size, checkpoint_id, version
         self.hash_table = hash_table
+        # Per-rank ('local') tensors listed after all others (as training saves RNG states) are
+        # kept out of the runs, else every rank would be a run of its own: each rank's are added
+        # to its run's layout (rank_layout). Listed elsewhere, they split the runs instead.
+        base = len(self.tensors)
+        while base and self.tensors[base - 1].layout == "local":
+            base -= 1
+        if any(t.layout == "local" for t in self.tensors[:base]):
+            base = len(self.tensors)
+        self._base = base
+        self._extras: dict[int, list[int]] = {}
+        for i in range(base, len(self.tensors)):
+            if self.tensors[i].numel:
+                self._extras.setdefault(self.tensors[i].owner, []).append(i)
         breaks = {0, world_size}
-        for t in self.tensors:
+        for t in self.tensors[:base]:
             n = t.numel
             if t.layout == "flat":
                 if n:
@@ -68,9 +82,31 @@ class RankLayouts:
         left, mark, right = _metadata_json(self.metadata(0)).partition(b'"rank":"0"')
         self._meta = (left + b'"rank":"', b'"' + right) if mark and mark not in right else None
         self.runs = [self._run(first, end) for first, end in zip(self.starts, self.starts[1:] + [world_size])]
+        self._last: tuple[int, Run] | None = None
+        if self._extras and not self._extras_compose_right():
+            self._split_per_rank()
+
+    def _split_per_rank(self) -> None:
+        """The safe layout: per-rank tensors split the runs (never expected to be needed)."""
+        self._base, self._extras = len(self.tensors), {}
+        breaks = set(self.starts) | {self.world_size}
+        for t in self.tensors:
+            if t.layout == "local" and t.numel:
+                breaks.update((t.owner, t.owner + 1))
+        self.starts = sorted(b for b in breaks if 0 <= b <= self.world_size)[:-1]
+        self.runs = [self._run(first, end) for first, end in zip(self.starts, self.starts[1:] + [self.world_size])]
+
+    def _extras_compose_right(self) -> bool:
+        """Check rank_layout's composition against the writer's, on one rank, once."""
+        rank = min(self._extras)
+        layout = [(t.name, t.dtype, (e - s,)) for t, s, e in rank_contents(self.tensors, self.world_size, rank)]
+        if self.hash_table:
+            layout.append((HASH_TABLE_NAME, "U64", (len(layout),)))
+        raw, _ = build_header_bytes(layout, self.metadata(rank))
+        return raw == self.header(rank)
 
     def _run(self, first: int, end: int) -> Run:
-        contents = rank_contents(self.tensors, self.world_size, first)
+        contents = rank_contents(self.tensors[:self._base], self.world_size, first)
         layout = [(t.name, t.dtype, (e - s,)) for t, s, e in contents]
         if self.hash_table:
             layout.append((HASH_TABLE_NAME, "U64", (len(contents),)))
@@ -93,7 +129,41 @@ class RankLayouts:
                 "rank": str(rank), "world_size": str(self.world_size)}
 
     def run_of(self, rank: int) -> Run:
+        """The run `rank` belongs to (its per-rank tensors not included: see rank_layout)."""
         return self.runs[bisect.bisect_right(self.starts, rank) - 1]
+
+    def rank_layout(self, rank: int) -> Run:
+        """What `rank`'s file holds: its run, plus its per-rank tensors when it has any."""
+        run = self.run_of(rank)
+        extras = self._extras.get(rank)
+        if not extras:
+            return run
+        if self._last is not None and self._last[0] == rank:
+            return self._last[1]
+        if run.body is None:
+            layout = [(self.tensors[i].name, self.tensors[i].dtype, (n // self.tensors[i].itemsize,))
+                      for i, n in zip(run.tensors, run.nbytes)]
+            raw, _ = build_header_bytes(layout, {})
+            run.body = raw[8:].rstrip(b" ")[1:-1]
+        offset = run.table_begin if self.hash_table else run.data_bytes
+        tensors, begin, nbytes = list(run.tensors), list(run.begin), list(run.nbytes)
+        parts = [run.body] if run.body else []
+        for i in extras:
+            t = self.tensors[i]
+            parts.append(_entry(t.name, t.dtype, t.numel, offset, offset + t.nbytes))
+            tensors.append(i)
+            begin.append(offset)
+            nbytes.append(t.nbytes)
+            offset += t.nbytes
+        table_begin = -1
+        if self.hash_table:
+            table_begin = offset
+            parts.append(_entry(HASH_TABLE_NAME, "U64", len(tensors), offset, offset + 8 * len(tensors)))
+            offset += 8 * len(tensors)
+        tail = (b"," + b",".join(parts) if parts else b"") + b"}"
+        extended = Run(rank, rank + 1, tensors, begin, nbytes, table_begin, offset, tail)
+        self._last = (rank, extended)
+        return extended
 
     def header(self, rank: int) -> bytes:
         """The exact header bytes (length prefix included) of `rank`'s file."""
@@ -101,12 +171,17 @@ class RankLayouts:
             meta = self._meta[0] + str(rank).encode() + self._meta[1]
         else:
             meta = _metadata_json(self.metadata(rank))
-        text = _PREFIX + meta + self.run_of(rank).tail
+        text = _PREFIX + meta + self.rank_layout(rank).tail
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
     def file_size(self, rank: int, header: bytes | None = None) -> int:
-        return len(header if header is not None else self.header(rank)) + self.run_of(rank).data_bytes
+        return len(header if header is not None else self.header(rank)) + self.rank_layout(rank).data_bytes
+
+
+def _entry(name: str, dtype: str, numel: int, begin: int, end: int) -> bytes:
+    """One 1-D tensor's header entry, as zeroshard.storage.safetensors_header composes it."""
+    return (f'{json.dumps(name)}:{{"dtype":"{dtype}","shape":[{numel}],"data_offsets":[{begin},{end}]}}').encode()
 
 
 def _metadata_json(metadata: dict[str, str]) -> bytes:

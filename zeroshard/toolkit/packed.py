@@ -117,8 +117,10 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
 
     # Outputs: headers, sizes, places in one buffer (8-aligned, so element views line up).
     ranks = sorted(task.outputs)
-    headers = [out_layouts.header(r) for r in ranks]
-    runs = [out_layouts.run_of(r) for r in ranks]
+    runs, headers = [], []
+    for r in ranks:
+        runs.append(out_layouts.rank_layout(r))
+        headers.append(out_layouts.header(r))
     sizes = [len(h) + run.data_bytes for h, run in zip(headers, runs)]
     bases = np.cumsum([0] + [-(-s // 8) * 8 for s in sizes])
     out_buf = bytearray(int(bases[-1]))
@@ -193,8 +195,12 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
     row_of = np.zeros(len(source_layouts.runs), dtype=np.int64)
     row_of[used] = np.arange(len(used))
     begins = table[row_of[run_of_needed[piece_slot]], index_in[t]]
-    if (begins < 0).any():
-        raise _Fallback  # a piece the input's layout does not hold: never expected
+    for i in np.flatnonzero(begins < 0).tolist():  # per-rank tensors (kept at the same world size)
+        q, wanted = int(rank_in[i]), int(index_in[t[i]])
+        layout = source_layouts.rank_layout(q)
+        if wanted not in layout.tensors:
+            raise _Fallback  # a piece the input's layout does not hold: never expected
+        begins[i] = layout.begin[layout.tensors.index(wanted)]
     src = data_at[piece_slot] + begins + (lo - frag_start) * size
     _gather(out_buf, in_buf, src, dst, piece_bytes)
     del in_view, in_buf

@@ -203,7 +203,7 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
 
 def _fragments_hold(view: memoryview, file: FileEntry, manifest: Manifest, layouts: RankLayouts, start: int) -> bool:
     """Every fragment's data against its recorded hash (the file's table, or a 1.0 manifest's)."""
-    run = layouts.run_of(file.rank)
+    run = layouts.rank_layout(file.rank)
     ranges = [(layouts.tensors[i].name, start + b, start + b + n) for i, b, n in zip(run.tensors, run.begin, run.nbytes)]
     if manifest.legacy_hashes is None:
         table = view[start + run.table_begin:start + run.table_begin + 8 * len(ranges)]
