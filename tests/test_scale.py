@@ -370,3 +370,19 @@ def test_a_writer_killed_in_the_packed_path_leaves_the_old_output(tmp_path):
     assert verify(str(out)).ok
     reshard(str(tmp_path / "c"), 64, str(out), overwrite=True)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".zeroshard-")]
+
+
+def test_bigger_inputs_are_checked_by_the_fragments_used(tmp_path, monkeypatch):
+    """Over WHOLE_HASH_BYTES an input mapped whole is checked by the hashes of the fragments
+    read (consolidate does not read the optimizer state beside the weights): still found."""
+    import zeroshard.toolkit.gather as gather
+
+    monkeypatch.setattr(gather, "WHOLE_HASH_BYTES", 0)
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 6)
+    consolidate(str(tmp_path / "c"), str(tmp_path / "ok.safetensors"))
+    assert_same({k: v for k, v in data.items() if "/" not in k}, load_file(tmp_path / "ok.safetensors"))
+    victim = tmp_path / "c" / "rank-00002-of-00006.safetensors"
+    flip_byte_in(victim, "embed.weight")
+    with pytest.raises(CheckpointError, match=f"{victim.name}.*'embed.weight'"):
+        consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))

@@ -297,9 +297,9 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
     whole = opened.reader.view(0, size) if size <= WINDOW_BYTES else None
     if whole is not None:  # a small local file (the many-ranks case): one map, a memcpy per piece
         if reader.verify_hashes:
-            from zeroshard.toolkit.gather import check_whole_file
+            from zeroshard.toolkit.gather import check_input
 
-            check_whole_file(reader, rank, whole)  # one hash for every byte
+            check_input(reader, rank, whole, list(fragments))
         out_views = {index: out.view for index, out in outputs.items()}
         written = dict.fromkeys(outputs, 0)
         tensors = reader.manifest.tensors
