@@ -434,13 +434,15 @@ def auto_workers(files: int, nbytes: int) -> int:
 
 
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
-TASK_BYTES = 32 * 1024 * 1024  # output bytes per task: bounds a packed task's buffers (zeroshard.toolkit.packed)
+# output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
+# big outputs are grouped by pieces only (their copies go through bounded windows anyway)
+TASK_BYTES = 32 * 1024 * 1024
 
 
 def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
     """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
-    at most about PIECE_BUDGET pieces and TASK_BYTES of output, with a few tasks per worker when
-    there are workers."""
+    at most about PIECE_BUDGET pieces (and, for small outputs, TASK_BYTES of output), with a few
+    tasks per worker when there are workers."""
     costs = [planner.pieces(i, source_world) for i in range(planner.count)]
     sizes = [planner.nbytes(i) for i in range(planner.count)]
     budget = PIECE_BUDGET
@@ -450,7 +452,7 @@ def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> 
     group: list[int] = []
     used = used_bytes = 0
     for index, (cost, size) in enumerate(zip(costs, sizes)):
-        if group and (used + cost > budget or used_bytes + size > TASK_BYTES):
+        if group and (used + cost > budget or (size <= TASK_BYTES // 4 and used_bytes + size > TASK_BYTES)):
             tasks.append(Task(group))
             group, used, used_bytes = [], 0, 0
         group.append(index)
