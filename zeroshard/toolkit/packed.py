@@ -1,5 +1,7 @@
 """Many small rank files, built in memory: the tensors x ranks case of a local reshard.
 
+Taken for jobs of 64+ files whose outputs are all under 8 MiB and inputs under 64 MiB.
+
 A reshard of 300 tiny tensors from 1,024 to 1,000 ranks moves 5 MB in 600,000 pieces between
 2,000 files; what costs is per file and per piece, not per byte. So, for a task's consecutive
 output files (zeroshard.toolkit.transfer.split_tasks):
@@ -40,7 +42,9 @@ from zeroshard.toolkit.layouts import RankLayouts, layouts_of
 if TYPE_CHECKING:
     from zeroshard.toolkit.transfer import Finished, Job, RankFilePlans, Task
 
-PACK_FILE_BYTES = 8 * 1024 * 1024  # inputs and outputs up to this size take this path
+PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
+PACK_INPUT_BYTES = 64 * 1024 * 1024  # ... from inputs up to this size (read whole, by every task that needs them)
+TASK_INPUT_BYTES = 192 * 1024 * 1024  # a task needing more input than this is left to the general path
 PACK_MIN_FILES = 64  # inputs + outputs: below this, per-file costs do not matter and the general path serves
 GATHER_MAX_BYTES = 64 * 1024  # bigger pieces are copied as slices
 GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
@@ -52,7 +56,7 @@ def fits(job: "Job", planner: "RankFilePlans") -> bool:
     """Whether this job's inputs and outputs are small local files (and no dtype changes)."""
     if len(job.manifest.files) + planner.world_size < PACK_MIN_FILES:
         return False
-    if max(f.size for f in job.manifest.files) > PACK_FILE_BYTES:
+    if max(f.size for f in job.manifest.files) > PACK_INPUT_BYTES:
         return False
     if not (Location(job.source_url, job.storage_options).local and Location(job.target_url, job.storage_options).local):
         return False
@@ -167,6 +171,8 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
     needed = np.flatnonzero(present)
     files = [manifest.file_for_rank(q) for q in needed.tolist()]
     in_base = np.cumsum([0] + [-(-f.size // 8) * 8 for f in files])
+    if in_base[-1] > TASK_INPUT_BYTES:
+        raise _Fallback  # memory: the general path maps inputs through bounded windows instead
     in_buf = bytearray(int(in_base[-1]))
     in_view = memoryview(in_buf)
     source = Location(job.source_url, job.storage_options)
