@@ -4,9 +4,10 @@ rank file read once, front to back, each fragment dropped at its computed offset
 This is how reshard and consolidate move bytes into local outputs. The cost is O(bytes + files +
 fragments) with one memcpy per piece and no per-fragment open or system call (outputs are
 memory-mapped, zeroshard.storage.mapped_file); a 1,024 -> 1,000 reshard of 300 tiny tensors is
-about 600,000 pieces, so the per-piece path is kept short. Input fragments are hash-checked as
-they are read (small files: one whole-file hash each); 1.1 outputs get their fragment hashes, hash table and file hash in one pass over
-each finished file. Work splits by output (whole files, or tensor ranges of one big file) into
+about 600,000 pieces, so the per-piece path is kept short (and such jobs of many small files take
+zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are hash-checked as they
+are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
+outputs get their fragment hashes, hash table and file hash in one pass over each finished file. Work splits by output (whole files, or tensor ranges of one big file) into
 tasks that run in this process or in `workers` processes (spawned: no torch, no fork hazards).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
