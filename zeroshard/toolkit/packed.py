@@ -37,7 +37,7 @@ from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_tag
-from zeroshard.toolkit.layouts import RankLayouts, layouts_of
+from zeroshard.toolkit.layouts import RankLayouts
 
 if TYPE_CHECKING:
     from zeroshard.toolkit.transfer import Finished, Job, RankFilePlans, Task
@@ -53,7 +53,7 @@ _layouts: dict[tuple, RankLayouts] = {}  # per process: tasks of one job share t
 
 
 def fits(job: "Job", planner: "RankFilePlans") -> bool:
-    """Whether this job's inputs and outputs are small local files (and no dtype changes)."""
+    """Whether this job's inputs and outputs are local files small enough for this path."""
     if len(job.manifest.files) + planner.world_size < PACK_MIN_FILES:
         return False
     if max(f.size for f in job.manifest.files) > PACK_INPUT_BYTES:
@@ -65,7 +65,9 @@ def fits(job: "Job", planner: "RankFilePlans") -> bool:
 
 
 def _cached(tensors, world_size: int, checkpoint_id: str, version: str, hash_table: bool) -> RankLayouts:
-    key = (checkpoint_id, world_size, version, hash_table, len(tensors))
+    # keyed by everything a layout depends on: an id alone could be reused by a hand-made manifest
+    key = (checkpoint_id, world_size, version, hash_table,
+           tuple((t.name, t.dtype, t.shape, t.layout, t.owner) for t in tensors))
     if key not in _layouts:
         if len(_layouts) > 4:
             _layouts.clear()
@@ -74,10 +76,8 @@ def _cached(tensors, world_size: int, checkpoint_id: str, version: str, hash_tab
 
 
 def _input_layouts(manifest: Manifest) -> RankLayouts:
-    key = (manifest.id, manifest.world_size, manifest.version, manifest.legacy_hashes is None, len(manifest.tensors))
-    if key not in _layouts:
-        _layouts[key] = layouts_of(manifest)
-    return _layouts[key]
+    return _cached(list(manifest.tensors.values()), manifest.world_size, manifest.id, manifest.version,
+                   manifest.legacy_hashes is None)
 
 
 def _arrays(run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -107,8 +107,6 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
     manifest = job.manifest
     source_layouts = _input_layouts(manifest)
     out_layouts = _cached(planner.tensors, planner.world_size, planner.checkpoint_id, FORMAT_VERSION, True)
-    if [t.name for t in out_layouts.tensors] != [t.name for t in planner.tensors]:
-        raise _Fallback  # a cache mix-up would be a bug; never risk it
     index_in = np.array([source_layouts.index.get(t.name, -1) for t in out_layouts.tensors], dtype=np.int64)
     if (index_in < 0).any():
         raise _Fallback
