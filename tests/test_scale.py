@@ -386,3 +386,21 @@ def test_bigger_inputs_are_checked_by_the_fragments_used(tmp_path, monkeypatch):
     flip_byte_in(victim, "embed.weight")
     with pytest.raises(CheckpointError, match=f"{victim.name}.*'embed.weight'"):
         consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+
+
+def test_deep_verify_of_format_1_0_checks_the_manifests_fragment_hashes(tmp_path):
+    """In 1.0 the fragment hashes are the manifest's: one that disagrees with intact data is
+    found by --deep only (the file's own hash still holds)."""
+    import shutil
+
+    shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "c")
+    assert verify(str(tmp_path / "c"), deep=True).ok
+    manifest_path = tmp_path / "c" / "zeroshard.json"
+    manifest = json.loads(manifest_path.read_text())
+    fragment = manifest["tensors"]["embed.weight"]["fragments"][1]
+    fragment[3] = f"{int(fragment[3], 16) ^ 1:016x}"
+    manifest_path.write_text(json.dumps(manifest))
+    assert verify(str(tmp_path / "c")).ok
+    report = verify(str(tmp_path / "c"), deep=True)
+    assert len(report.problems) == 1 and "rank-00001-of-00003.safetensors" in report.problems[0]
+    assert "embed.weight" in report.problems[0]

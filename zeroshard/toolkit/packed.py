@@ -243,7 +243,7 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
 def _read_whole(path: str, into: memoryview) -> None:
     """Read a regular file of exactly len(into) bytes, refusing links; _Fallback otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         raise _Fallback from None
     try:

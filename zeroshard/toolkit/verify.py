@@ -173,7 +173,7 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
     when anything does not or cannot be checked this way (a link, another size, a header
     composed otherwise, a hash mismatch): _check_file then checks it again and says what."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # links are refused, as RangeReader does
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # links are refused, as RangeReader does
     except OSError:
         return None
     try:
