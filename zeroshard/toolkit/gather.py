@@ -111,7 +111,6 @@ def check_input(reader: "CheckpointReader", rank: int, whole: memoryview, names)
     tensors has 300 fragments per file). A bigger one by the hashes of the fragments used only:
     consolidate reads the weights, not the optimizer state beside them. On a mismatch the
     fragment hashes name the tensor when they can."""
-    recorded = None
     if len(whole) <= WHOLE_HASH_BYTES:
         if hash_bytes(whole) == reader.manifest.file_for_rank(rank).hash:
             return

@@ -7,8 +7,9 @@ memory-mapped, zeroshard.storage.mapped_file); a 1,024 -> 1,000 reshard of 300 t
 about 600,000 pieces, so the per-piece path is kept short (and such jobs of many small files take
 zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are hash-checked as they
 are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
-outputs get their fragment hashes, hash table and file hash in one pass over each finished file. Work splits by output (whole files, or tensor ranges of one big file) into
-tasks that run in this process or in `workers` processes (spawned: no torch, no fork hazards).
+outputs get their fragment hashes, hash table and file hash in one pass over each finished file.
+Work splits by output (whole files, or tensor ranges of one big file) into tasks that run in this
+process or in `workers` processes (spawned: no torch, no fork hazards).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
 (zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_planned).
