@@ -164,3 +164,243 @@ def test_resident_memory_stays_at_a_window_whatever_the_outputs(tmp_path):
     grown_mib = int(result.stdout.split()[-1])
     assert grown_mib < 24, f"peak RSS grew by {grown_mib} MiB for 64 MB of data"
     assert load_file(tmp_path / "o.safetensors")["w3"].numel() == 2_000_000
+
+
+# ---- many small files: the packed path (zeroshard/toolkit/packed.py) --------------------------
+import json  # noqa: E402
+import signal  # noqa: E402
+import struct  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from click.testing import CliRunner  # noqa: E402
+
+import zeroshard.toolkit.packed as packed  # noqa: E402
+from zeroshard.cli import main  # noqa: E402
+from zeroshard.errors import ZeroshardError  # noqa: E402
+from zeroshard.format import open_checkpoint  # noqa: E402
+from zeroshard.format.reader import expected_header  # noqa: E402
+from zeroshard.toolkit.layouts import layouts_of  # noqa: E402
+
+FORMAT_1_0 = Path(__file__).parent / "data" / "format-1.0"
+
+
+@pytest.fixture
+def packed_tasks(monkeypatch):
+    """The number of tasks the packed path completed in this process (it must not be skipped
+    silently: then these tests would test the general path twice)."""
+    done = []
+    real = packed.run_packed
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if result is not None:
+            done.append(len(result))
+        return result
+
+    monkeypatch.setattr(packed, "run_packed", spy)
+    return done
+
+
+def rank_files_modulo_id(folder: Path) -> dict[str, bytes]:
+    """Every rank file's bytes, with the checkpoint id (random per save) blanked out."""
+    manifest = json.loads((folder / "zeroshard.json").read_text())
+    return {f["name"]: (folder / f["name"]).read_bytes().replace(manifest["id"].encode(), b"-" * 32)
+            for f in manifest["files"]}
+
+
+def reshard_both_ways(source: Path, to: int, tmp_path: Path, monkeypatch, packed_tasks) -> tuple[Path, Path]:
+    reshard(str(source), to, str(tmp_path / "packed"))
+    assert packed_tasks, "the packed path was not taken"
+    with monkeypatch.context() as m:
+        m.setattr(packed, "PACK_MIN_FILES", 10**9)
+        count = len(packed_tasks)
+        reshard(str(source), to, str(tmp_path / "general"))
+        assert len(packed_tasks) == count
+    return tmp_path / "packed", tmp_path / "general"
+
+
+@pytest.mark.parametrize("to", [1, 7, 299, 512])
+def test_packed_path_writes_the_general_paths_bytes(wide, tmp_path, monkeypatch, packed_tasks, to):
+    """Odd sizes, tensors smaller than the world, fp16 beside fp32 (unaligned offsets): the
+    packed path's rank files are byte for byte the general path's, hash tables included."""
+    root, model = wide
+    a, b = reshard_both_ways(root / "w300", to, tmp_path, monkeypatch, packed_tasks)
+    assert rank_files_modulo_id(a) == rank_files_modulo_id(b)
+    assert verify(str(a), deep=True).ok
+    assert_same(model, read_checkpoint(str(a)))
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("to", [64, 70])
+def test_packed_path_carries_whole_and_local_tensors(tmp_path, monkeypatch, packed_tasks, to):
+    """Optimizer state, 'whole' tensors (rank 0's) and per-rank RNG ('local': kept at the same
+    world size, dropped at another)."""
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 70)
+    a, b = reshard_both_ways(tmp_path / "c", to, tmp_path, monkeypatch, packed_tasks)
+    assert rank_files_modulo_id(a) == rank_files_modulo_id(b)
+    state = read_checkpoint(str(a))
+    assert_same(data, {k: v for k, v in state.items() if not k.startswith("rng/")})
+    assert len([k for k in state if k.startswith("rng/")]) == (70 if to == 70 else 0)
+    assert verify(str(a), deep=True).ok
+
+
+def test_packed_path_reads_format_1_0(tmp_path, monkeypatch, packed_tasks):
+    monkeypatch.setattr(packed, "PACK_MIN_FILES", 0)
+    a, b = reshard_both_ways(FORMAT_1_0 / "training-w3", 5, tmp_path, monkeypatch, packed_tasks)
+    assert rank_files_modulo_id(a) == rank_files_modulo_id(b)
+    assert json.loads((a / "zeroshard.json").read_text())["version"] == "1.1"
+    original = read_checkpoint(str(FORMAT_1_0 / "training-w3"))
+    assert_same({k: v for k, v in original.items() if not k.startswith("rng/")}, read_checkpoint(str(a)))
+
+
+def test_rank_layouts_give_every_header_the_writer_wrote(wide, tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 70)
+    for folder in (wide[0] / "w300", tmp_path / "c", FORMAT_1_0 / "training-w3", FORMAT_1_0 / "odd-w4"):
+        _, manifest = open_checkpoint(str(folder))
+        layouts = layouts_of(manifest)
+        if manifest.world_size > 8:  # runs of ranks share a layout, per-rank RNG states aside
+            assert len(layouts.runs) <= 2 * len(manifest.tensors) + 3
+            assert len(layouts.runs) < manifest.world_size // 2
+        for file in manifest.files:
+            raw, _ = expected_header(file, manifest)
+            assert layouts.header(file.rank) == raw == (folder / file.name).read_bytes()[:len(raw)]
+            assert layouts.file_size(file.rank) == file.size
+
+
+def _header_span(path: Path) -> tuple[int, int]:
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8, 8 + length
+
+
+def corrupt(path: Path, where: str) -> None:
+    data = bytearray(path.read_bytes())
+    start, end = _header_span(path)
+    header = json.loads(data[start:end])
+    if where == "fragment":
+        begin, stop = header["embed.weight"]["data_offsets"]
+        data[end + (begin + stop) // 2] ^= 0x40
+    elif where == "hash table":
+        begin, _ = header["__zeroshard_fragment_hashes__"]["data_offsets"]
+        data[end + begin + 3] ^= 0x01
+    elif where == "dropped local tensor":
+        begin, stop = next(v["data_offsets"] for k, v in header.items() if k.startswith("rng/"))
+        data[end + begin] ^= 0x01
+    elif where == "header":  # still valid JSON, another checkpoint id
+        at = data.index(header["__metadata__"]["checkpoint_id"].encode(), start)
+        data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    elif where == "header padding":  # still valid JSON meaning the same: only the file hash sees it
+        assert data[end - 1] == ord(" ")
+        data[end - 1] = ord("\t")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["fragment", "hash table", "header", "header padding", "dropped local tensor"])
+def test_any_changed_byte_is_found_by_every_command(tmp_path, packed_tasks, where):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 70)
+    folder = tmp_path / "c"
+    victims = sorted(folder.glob("rank-*.safetensors"))
+    if where == "header padding":
+        victims = [p for p in victims if p.read_bytes()[_header_span(p)[1] - 1] == ord(" ")]
+    victim = victims[min(5, len(victims) - 1)]
+    corrupt(victim, where)
+    with pytest.raises(ZeroshardError, match=victim.name):
+        reshard(str(folder), 64, str(tmp_path / "r"))
+    assert not (tmp_path / "r" / "zeroshard.json").exists()
+    with pytest.raises(ZeroshardError, match=victim.name):
+        consolidate(str(folder), str(tmp_path / "m.safetensors"))
+    assert not (tmp_path / "m.safetensors").exists()
+    for deep in (False, True):
+        report = verify(str(folder), deep=deep)
+        assert report.problems and all(victim.name in p for p in report.problems), report.problems
+    assert not leftovers(tmp_path)
+
+
+def test_deep_verify_checks_the_fragment_table_itself(tmp_path):
+    """A table that disagrees with its fragments in a file that matches the manifest (a writer's
+    bug, not storage): the whole-file check cannot see it, --deep does, naming the tensor."""
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 4)
+    victim = tmp_path / "c" / "rank-00001-of-00004.safetensors"
+    corrupt(victim, "hash table")
+    manifest_path = tmp_path / "c" / "zeroshard.json"
+    manifest = json.loads(manifest_path.read_text())
+    from zeroshard.storage.hashing import hash_bytes
+
+    next(f for f in manifest["files"] if f["name"] == victim.name)["hash"] = hash_bytes(victim.read_bytes())
+    manifest_path.write_text(json.dumps(manifest))
+    assert verify(str(tmp_path / "c")).ok
+    report = verify(str(tmp_path / "c"), deep=True)
+    assert len(report.problems) == 1 and victim.name in report.problems[0] and "tensor" in report.problems[0]
+    result = CliRunner().invoke(main, ["verify", "-q", "--deep", str(tmp_path / "c")])
+    assert result.exit_code == 3 and victim.name in result.output
+
+
+KILLED_IN_PACKED_PATH = (
+    "import os, signal, sys\n"
+    "import zeroshard.toolkit.packed as packed\n"
+    "real = packed._read_whole\n"
+    "seen = []\n"
+    "def dying(path, into):\n"
+    "    seen.append(path)\n"
+    "    if len(seen) > 20: os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return real(path, into)\n"
+    "packed._read_whole = dying\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+def test_a_writer_killed_in_the_packed_path_leaves_the_old_output(tmp_path):
+    from test_safety_outputs import snapshot
+
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 70)
+    out = tmp_path / "out"
+    reshard(str(tmp_path / "c"), 64, str(out), workers=1)
+    before = snapshot(out)
+    result = subprocess.run([sys.executable, "-c", KILLED_IN_PACKED_PATH, "reshard", "-q", "-j", "1", "--overwrite",
+                             str(tmp_path / "c"), "--to", "64", "-o", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(".zeroshard-")} == before
+    assert verify(str(out)).ok
+    reshard(str(tmp_path / "c"), 64, str(out), overwrite=True)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".zeroshard-")]
+
+
+def test_bigger_inputs_are_checked_by_the_fragments_used(tmp_path, monkeypatch):
+    """Over WHOLE_HASH_BYTES an input mapped whole is checked by the hashes of the fragments
+    read (consolidate does not read the optimizer state beside the weights): still found."""
+    import zeroshard.toolkit.gather as gather
+
+    monkeypatch.setattr(gather, "WHOLE_HASH_BYTES", 0)
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 6)
+    consolidate(str(tmp_path / "c"), str(tmp_path / "ok.safetensors"))
+    assert_same({k: v for k, v in data.items() if "/" not in k}, load_file(tmp_path / "ok.safetensors"))
+    victim = tmp_path / "c" / "rank-00002-of-00006.safetensors"
+    flip_byte_in(victim, "embed.weight")
+    with pytest.raises(CheckpointError, match=f"{victim.name}.*'embed.weight'"):
+        consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+
+
+def test_deep_verify_of_format_1_0_checks_the_manifests_fragment_hashes(tmp_path):
+    """In 1.0 the fragment hashes are the manifest's: one that disagrees with intact data is
+    found by --deep only (the file's own hash still holds)."""
+    import shutil
+
+    shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "c")
+    assert verify(str(tmp_path / "c"), deep=True).ok
+    manifest_path = tmp_path / "c" / "zeroshard.json"
+    manifest = json.loads(manifest_path.read_text())
+    fragment = manifest["tensors"]["embed.weight"]["fragments"][1]
+    fragment[3] = f"{int(fragment[3], 16) ^ 1:016x}"
+    manifest_path.write_text(json.dumps(manifest))
+    assert verify(str(tmp_path / "c")).ok
+    report = verify(str(tmp_path / "c"), deep=True)
+    assert len(report.problems) == 1 and "rank-00001-of-00003.safetensors" in report.problems[0]
+    assert "embed.weight" in report.problems[0]

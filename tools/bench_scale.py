@@ -2,6 +2,7 @@
 
     python tools/bench_scale.py [--ranks 1024] [--to 1000] [--tensors 300] [--numel 4096]
                                 [--plan-ranks 2048] [--plan-tensors 2100] [--dir /tmp/zs-scale]
+                                [--repeat 3] [--only reshard,consolidate,verify] [--skip-part2]
 
 Part 1 (issue 7's bars): `--tensors` fp32 tensors of `--numel` elements sharded to `--ranks` ranks
 (tiny fragments: every operation is dominated by per-file and per-fragment costs, the case where a
@@ -12,7 +13,11 @@ baseline, best of `--repeat`:
 - reshard ranks -> to   vs `cp -r` of the checkpoint + `sync`   (bar: <= 3x),
 - consolidate           vs `cp -r` of the checkpoint + `sync`   (bar: <= 3x; it reads every rank file),
 - verify                vs `cat` of every file to /dev/null      (bar: <= 2x),
-each also with --workers 2.
+each also with --workers 2. Reported: best and median wall time of the command as a process
+(what the bar is written for), and best in-process time: the same command run by a wrapper that
+imports the CLI and the command's modules first and times only `main()`, so what is fixed
+(interpreter start-up and imports, also shown alone) and what scales with the checkpoint can be
+told apart. The load average is printed before and after: the machine is shared.
 
 Part 2: a synthetic `--plan-ranks`-rank checkpoint of `--plan-tensors` tiny tensors (built by
 resharding a 1-rank one, itself timed): `zeroshard inspect`, and load planning for one rank at
@@ -24,7 +29,9 @@ the rank files holding them), each in a fresh process, wall time and peak RSS
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +44,52 @@ from bench_toolkit import timed  # noqa: E402  (same measuring: wall seconds and
 
 def zeroshard(*args: str) -> list[str]:
     return [sys.executable, "-m", "zeroshard.cli", *args, "-q"]
+
+
+# The modules each command imports before it touches the checkpoint (start-up, a fixed cost).
+MODULES = {"reshard": "zeroshard.toolkit.reshard zeroshard.toolkit.packed",
+           "consolidate": "zeroshard.toolkit.consolidate zeroshard.toolkit.gather",
+           "verify": "zeroshard.toolkit.verify"}
+
+IN_PROCESS = """
+import importlib, sys, time
+import zeroshard.cli
+for module in sys.argv[1].split():
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError:  # an older zeroshard (PYTHONPATH) without it
+        pass
+start = time.perf_counter()
+sys.argv = ["zeroshard"] + sys.argv[2:]
+try:
+    zeroshard.cli.main()
+except SystemExit as exc:
+    if exc.code:
+        raise
+finally:
+    sys.stderr.write(f"\\nin-process {time.perf_counter() - start:.4f}\\n")
+"""
+
+
+def in_process(command: list[str]) -> float:
+    """Seconds the command spends after start-up and imports (see IN_PROCESS)."""
+    args = command[command.index("zeroshard.cli") + 1:]
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS, MODULES[args[0]], *args], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(f"failed: {command}\n{proc.stderr}")
+    return float(proc.stderr.rsplit("in-process", 1)[1])
+
+
+def start_up(command: str, repeat: int) -> float:
+    """Best wall time of interpreter start-up plus the command's imports, doing nothing else."""
+    code = (f"import importlib, zeroshard.cli\nfor m in {MODULES[command].split()!r}:\n"
+            f"    try: importlib.import_module(m)\n    except ModuleNotFoundError: pass")
+    return min(timed([sys.executable, "-c", code])[0] for _ in range(repeat))
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def build(path: Path, tensors: int, numel: int, world: int) -> float:
@@ -92,7 +145,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/zs-scale")
     parser.add_argument("--skip-part2", action="store_true")
+    parser.add_argument("--only", default="reshard,consolidate,verify", help="which part-1 operations to run")
     args = parser.parse_args()
+    print(load())
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -121,20 +176,36 @@ def main() -> None:
         ("verify", 2.0, lambda j: zeroshard("verify", str(ckpt), "-j", str(j)),
          f"cat {ckpt}/*.safetensors > /dev/null"),
     ]
-    print("\n| operation | workers | zeroshard s | baseline s | ratio | bar | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| operation | workers | wall s, best (median) | in-process s, best | baseline s, best (median) | "
+          "ratio wall | ratio in-process | bar | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    starts = {}
     for name, bar, ours, base in cases:
+        if name.split()[0] not in args.only.split(","):
+            continue
+        command = name.split()[0]
+        starts[command] = start_up(command, args.repeat)
         runs: dict[str, list[tuple[float, int]]] = {"1": [], "2": [], "base": []}
+        inner: dict[str, list[float]] = {"1": [], "2": []}
         for _ in range(args.repeat):
             for key, cmd in (("1", ours(1)), ("2", ours(2)), ("base", base)):
                 clean()
                 runs[key].append(timed(cmd, shell=isinstance(cmd, str)))
+                if key != "base":
+                    clean()
+                    inner[key].append(in_process(cmd))
         baseline = min(w for w, _ in runs["base"])
+        base_median = statistics.median(w for w, _ in runs["base"])
         for key in ("1", "2"):
             wall = min(w for w, _ in runs[key])
+            median = statistics.median(w for w, _ in runs[key])
             rss = max(r for _, r in runs[key])
-            print(f"| {name} | {key} | {wall:.2f} | {baseline:.2f} | {wall / baseline:.2f}x | <= {bar:.0f}x | "
-                  f"{rss / 2**20:.0f} |")
+            own = min(inner[key])
+            print(f"| {name} | {key} | {wall:.2f} ({median:.2f}) | {own:.2f} | {baseline:.2f} ({base_median:.2f}) | "
+                  f"{wall / baseline:.2f}x | {own / baseline:.2f}x | <= {bar:.0f}x | {rss / 2**20:.0f} |")
+    print("\nstart-up alone (interpreter + the command's imports, best): "
+          + ", ".join(f"{c} {s:.2f} s" for c, s in starts.items()))
+    print(load())
     clean()
     shutil.rmtree(ckpt)
 

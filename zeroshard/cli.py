@@ -177,20 +177,25 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Processes sharing the files (default: every core, up to 8, for 256+ MiB).")
 @click.option("--key-file", default=None, metavar="FILE", help="Also check the signature made by `zeroshard sign` with this key.")
+@click.option("--deep", is_flag=True,
+              help="Also check every fragment against its file's hash table (the writer's arithmetic; "
+                   "a changed byte already fails the whole-file hash).")
 @_common
-def verify(ckpt: str, workers: int | None, key_file: str | None, storage_options: dict, quiet: bool) -> None:
+def verify(ckpt: str, workers: int | None, key_file: str | None, deep: bool, storage_options: dict,
+           quiet: bool) -> None:
     """Check checkpoint CKPT completely; exit 0 only if everything holds.
 
-    Every rank file present with its recorded size; headers agree with the manifest; the
-    whole-file and every fragment hash match; fragments cover every element of every tensor
-    exactly once; no stray rank files. Lists every problem found (exit 3).
+    Every rank file present with its recorded size; headers agree with the manifest; every byte
+    of every file matches the manifest's whole-file hash (--deep: every fragment hash too);
+    fragments cover every element of every tensor exactly once; no stray rank files. Lists
+    every problem found (exit 3).
     """
     from zeroshard.toolkit.verify import verify as run
 
     from zeroshard.format.signature import read_key
 
     key = read_key(key_file) if key_file else None
-    report = run(ckpt, storage_options=storage_options, quiet=quiet, key=key, workers=workers)
+    report = run(ckpt, storage_options=storage_options, quiet=quiet, key=key, workers=workers, deep=deep)
     if report.ok:
         click.echo(f"OK {report.location}: {report.files_checked} files, {report.tensors} tensors, "
                    f"{report.bytes_checked:,} bytes verified" + (", signature holds" if report.signed else ""))

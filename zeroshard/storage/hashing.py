@@ -57,3 +57,9 @@ class SegmentHasher:
     @property
     def hexdigest(self) -> str:
         return self._whole.hexdigest()
+
+
+def xxh3_int(data: bytes | memoryview) -> int:
+    """The hash of one buffer as an integer: the hash-table form, with no hex string made and
+    parsed per fragment (a 1,000-rank reshard hashes 300,000 of them)."""
+    return xxhash.xxh3_64_intdigest(data)

@@ -3,8 +3,10 @@
 Pure range arithmetic: each output fragment is assembled from the input fragments that overlap
 it. Local outputs are written rank-major (zeroshard.toolkit.transfer): each input file read
 once, front to back, every piece dropped at its place in memory-mapped outputs, optionally by
-several worker processes. S3 outputs are streamed file by file. Fragments are hash-checked on
-the way in and hashed on the way out. Per-rank ('local') items such as RNG states have no
+several worker processes; many small files are built in memory instead (toolkit.packed). S3
+outputs are streamed file by file. Inputs are hash-checked on the way in (a small file read whole
+by its whole-file hash, else fragment by fragment) and every output fragment is hashed on the way
+out. Per-rank ('local') items such as RNG states have no
 meaning at a new world size and are dropped (listed in the result).
 """
 

@@ -4,10 +4,12 @@ rank file read once, front to back, each fragment dropped at its computed offset
 This is how reshard and consolidate move bytes into local outputs. The cost is O(bytes + files +
 fragments) with one memcpy per piece and no per-fragment open or system call (outputs are
 memory-mapped, zeroshard.storage.mapped_file); a 1,024 -> 1,000 reshard of 300 tiny tensors is
-about 600,000 pieces, so the per-piece path is kept short. Input fragments are hash-checked as
-they are read; 1.1 outputs get their fragment hashes, hash table and file hash in one pass over
-each finished file. Work splits by output (whole files, or tensor ranges of one big file) into
-tasks that run in this process or in `workers` processes (spawned: no torch, no fork hazards).
+about 600,000 pieces, so the per-piece path is kept short (and such jobs of many small files take
+zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are hash-checked as they
+are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
+outputs get their fragment hashes, hash table and file hash in one pass over each finished file.
+Work splits by output (whole files, or tensor ranges of one big file) into tasks that run in this
+process or in `workers` processes (spawned: no torch, no fork hazards).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
 (zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_planned).
@@ -96,6 +98,7 @@ class RankFilePlans:
     def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
         self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
         self.count = world_size
+        self._nbytes: int | None = None
 
     def plan(self, rank: int) -> OutputPlan:
         return plan_output(rank_file_name(rank, self.world_size),
@@ -105,6 +108,12 @@ class RankFilePlans:
 
     def pieces(self, index: int, source_world: int) -> int:
         return len(self.tensors) * (-(-source_world // self.world_size) + 1)
+
+    def nbytes(self, index: int) -> int:
+        """About how big each output is (for grouping outputs into tasks)."""
+        if self._nbytes is None:
+            self._nbytes = sum(t.nbytes for t in self.tensors) // self.world_size
+        return self._nbytes
 
 
 def _piece_count(t: OutTensor, source_world: int) -> int:
@@ -189,6 +198,13 @@ def commit(target: Location, finished: Iterable[Finished]) -> None:
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
     """Fill this task's share of the outputs, reading each needed input file once, in rank order."""
+    if task.tensors is None and isinstance(job.planner, RankFilePlans):
+        from zeroshard.toolkit import packed
+
+        if packed.fits(job, job.planner):  # many small files: built in memory, one write each
+            done = packed.run_packed(job, job.planner, task, progress)
+            if done is not None:
+                return done
     source = Location(job.source_url, job.storage_options)
     target = Location(job.target_url, job.storage_options)
     plans = {i: job.planner.plan(i) for i in task.outputs}
@@ -279,18 +295,19 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
     """Read the needed fragments of one input file in file order, each front to back, hash-checked."""
     opened = reader.open_file(rank)
     entries = opened.header.entries
-    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
     size = opened.header.file_size
     whole = opened.reader.view(0, size) if size <= WINDOW_BYTES else None
     if whole is not None:  # a small local file (the many-ranks case): one map, a memcpy per piece
+        if reader.verify_hashes:
+            from zeroshard.toolkit.gather import check_input
+
+            check_input(reader, rank, whole, list(fragments))
         out_views = {index: out.view for index, out in outputs.items()}
         written = dict.fromkeys(outputs, 0)
         tensors = reader.manifest.tensors
         for name, pieces in fragments.items():
             _, _, begin, end = entries[name]
             view = whole[begin:end]
-            if recorded is not None and hash_bytes(view) != recorded[name]:
-                raise _mismatch(reader, rank, name)
             tensor = tensors[name]
             itemsize, dtype_in = tensor.itemsize, tensor.dtype
             for src, index, dst, count, dtype in pieces:
@@ -308,6 +325,7 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
         if progress is not None:
             progress(size)
         return
+    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
     _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress)
 
 
@@ -418,24 +436,30 @@ def auto_workers(files: int, nbytes: int) -> int:
 
 
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
+# output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
+# big outputs are grouped by pieces only (their copies go through bounded windows anyway)
+TASK_BYTES = 32 * 1024 * 1024
 
 
 def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
     """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
-    at most about PIECE_BUDGET pieces, with a few tasks per worker when there are workers."""
+    at most about PIECE_BUDGET pieces (and, for small outputs, TASK_BYTES of output), with a few
+    tasks per worker when there are workers."""
     costs = [planner.pieces(i, source_world) for i in range(planner.count)]
+    sizes = [planner.nbytes(i) for i in range(planner.count)]
     budget = PIECE_BUDGET
     if workers > 1:
         budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
     tasks: list[Task] = []
     group: list[int] = []
-    used = 0
-    for index, cost in enumerate(costs):
-        if group and used + cost > budget:
+    used = used_bytes = 0
+    for index, (cost, size) in enumerate(zip(costs, sizes)):
+        if group and (used + cost > budget or (size <= TASK_BYTES // 4 and used_bytes + size > TASK_BYTES)):
             tasks.append(Task(group))
-            group, used = [], 0
+            group, used, used_bytes = [], 0, 0
         group.append(index)
         used += cost
+        used_bytes += size
     if group:
         tasks.append(Task(group))
     return tasks
