@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.manifest import Manifest, TensorEntry
@@ -54,16 +55,8 @@ class OutputTensor:
 
 def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[OutputTensor]]:
     """HF's greedy split: fill a file until the next tensor would overflow it; a tensor larger
-    than the limit gets a file of its own."""
-    shards: list[list[OutputTensor]] = [[]]
-    used = 0
-    for tensor in tensors:
-        if shards[-1] and used + tensor.nbytes > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(tensor)
-        used += tensor.nbytes
-    return shards
+    than the limit gets a file of its own (zeroshard.bucketing, as the engine's buckets)."""
+    return greedy_groups(tensors, lambda t: t.nbytes, max_bytes) or [[]]
 
 
 @output_transaction

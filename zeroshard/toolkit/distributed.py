@@ -22,6 +22,7 @@ import sys
 import uuid
 from typing import Any
 
+from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import FileEntry, RankFileResult, build_manifest, open_checkpoint, update_latest
 from zeroshard.format.output import PreparedOutput, prepare_output
@@ -157,37 +158,28 @@ def _run_and_sync(job: Job, tasks: list[Task], workers: int) -> dict:
     return finished
 
 
-def _agree(step) -> list:
-    """Run `step` everywhere; every process gets every result, or every process raises."""
-    import torch.distributed as dist
-
+def _outcome(step) -> tuple[Any, ZeroshardError | None]:
     try:
-        outcome: Any = ("ok", step())
-    except Exception as exc:  # reported to every process below
-        outcome = ("error", f"process {dist.get_rank()}: {exc}")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, outcome)
-    errors = [text for kind, text in gathered if kind == "error"]
-    if errors:
-        raise ZeroshardError("; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
-    return [value for _, value in gathered]
+        return step(), None
+    except ZeroshardError as exc:
+        return None, exc
+    except Exception as exc:  # any failure becomes a one-line error on every process
+        return None, ZeroshardError(f"{type(exc).__name__}: {exc}")
+
+
+def _agree(step) -> list:
+    """Run `step` everywhere; every process gets every result, or every process raises
+    (zeroshard.agree: the failed process its own error, the others OtherRanksFailedError)."""
+    result, error = _outcome(step)
+    return agree(error, action="the distributed toolkit run", payload=result)
 
 
 def _on_rank0(step) -> Any:
     """Run `step` on process 0 and share its result (or its error) with everyone."""
     import torch.distributed as dist
 
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", step())
-        except Exception as exc:
-            box[0] = ("error", str(exc))
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise ZeroshardError(value)
-    return value
+    result, error = _outcome(step) if dist.get_rank() == 0 else (None, None)
+    return agree(error, action="the distributed toolkit run", payload=result)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
