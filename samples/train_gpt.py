@@ -6,7 +6,8 @@
         --resume --steps 200      # continue (at another world size if you like) to step 200
 
 `--steps` is the total number of optimizer steps; a resumed run continues from the step saved
-in the checkpoint (`--resume` alone: the latest in --ckpt; `--resume PATH`: that checkpoint). Data depends only on (seed, step, --batch, --block-size), never on the
+in the checkpoint (`--resume` alone: the latest in --ckpt; `--resume PATH`: that checkpoint). \
+Data depends only on (seed, step, --batch, --block-size), never on the
 world size or --grad-accum, so a resumed run sees the same stream of batches.
 
 With --ckpt DIR the script writes DIR/model_config.json (model config + vocabulary, for

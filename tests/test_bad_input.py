@@ -132,7 +132,8 @@ HOSTILE_EDITS = [  # wrong types, absurd sizes: one line naming the manifest, bo
     (lambda d: d.__setitem__("tensors", []), "tensors must be an object"),
     (lambda d: d["files"].__setitem__(0, "rank-00000-of-00003.safetensors"), "files[0] must be an object"),
     (lambda d: d["files"][0].__setitem__("size", -5), "out of range"),
-    (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", [10**9, 10**9]), ("rank files hold only", "not covered")),
+    (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", [10**9, 10**9]),
+     ("rank files hold only", "not covered")),
     (lambda d: d["tensors"]["embed.weight"].__setitem__("shape", "37x11"), "shape must be an array"),
     (lambda d: d.__setitem__("aliases", {"x": ["embed.weight"]}), "must be a string"),
     (lambda d: d.__setitem__("step", 1.5), "step must be an integer"),
@@ -169,7 +170,8 @@ def test_legacy_fragment_lists_are_checked(tmp_path):
 
 def test_deeply_nested_or_huge_manifest(ckpt):
     text = (ckpt / "zeroshard.json").read_text()
-    (ckpt / "zeroshard.json").write_text(text.replace('"client_state": ', '"client_state": ' + "[" * 100_000 + "]" * 100_000 + ', "x": '))
+    (ckpt / "zeroshard.json").write_text(text.replace('"client_state": ',
+                                                      '"client_state": ' + "[" * 100_000 + "]" * 100_000 + ', "x": '))
     code, output = run_cli("inspect", str(ckpt))
     assert_one_line_error(code, output, "zeroshard.json", "nested too deeply")
     (ckpt / "zeroshard.json").write_text(text.replace('"version": ', '"version": ' + "1" * 10_000_000 + ', "v": '))
@@ -268,11 +270,13 @@ def test_output_failing_half_way_leaves_nothing_complete(tmp_path):
     model = {f"w{i}": __import__("torch").randn(256, 256) for i in range(4)}  # 1 MiB
     save_model(model, tmp_path / "m.safetensors")
     assert run_cli("shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "ckpt"), "--world", "2")[0] == 0
-    result = _cli_with_file_size_limit(300_000, "consolidate", "-q", str(tmp_path / "ckpt"), str(tmp_path / "o.safetensors"))
+    result = _cli_with_file_size_limit(300_000, "consolidate", "-q", str(tmp_path / "ckpt"),
+                                       str(tmp_path / "o.safetensors"))
     assert result.returncode == 1, result.stderr
     assert "o.safetensors" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "m.safetensors"]
-    result = _cli_with_file_size_limit(300_000, "reshard", "-q", str(tmp_path / "ckpt"), "--to", "1", "-o", str(tmp_path / "r1"))
+    result = _cli_with_file_size_limit(300_000, "reshard", "-q", str(tmp_path / "ckpt"), "--to", "1", "-o",
+                                       str(tmp_path / "r1"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "r1" / "zeroshard.json").exists()
     assert not [p for p in (tmp_path / "r1").iterdir() if p.name.startswith("rank-")]  # temp files were removed

@@ -147,7 +147,8 @@ def test_config_arguments_accelerator_and_moe():
     assert acc.is_available() and acc.device_name(0) == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert acc.current_device_name() in ("cpu", f"cuda:{acc.current_device()}")
     cuda = Accelerator("cuda")
-    assert cuda.device_name(1) == "cuda:1" and cuda.device_name() == "cuda" and cuda.communication_backend_name() == "nccl"
+    assert (cuda.device_name(1) == "cuda:1" and cuda.device_name() == "cuda"
+            and cuda.communication_backend_name() == "nccl")
     assert Accelerator("cpu").communication_backend_name() == "gloo"
     p = torch.nn.Parameter(torch.zeros(1))
     group = {"params": [p], "name": "parameters"}

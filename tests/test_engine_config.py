@@ -91,7 +91,8 @@ def test_offload_to_none_is_fine() -> None:
 
 
 def test_offload_optimizer_to_cpu_is_accepted() -> None:
-    cfg = ZeroConfig.coerce({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+    cfg = ZeroConfig.coerce({"zero_optimization": {"stage": 2,
+                                                   "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
     assert cfg.zero_optimization.offload_optimizer == {"device": "cpu", "pin_memory": True}
 
 

@@ -23,7 +23,8 @@ def overlap(rank: int, world: int, stage: int) -> dict[str, Any]:
     engine.backward(lm_loss(engine(x), y))
     before = model.blocks[0].fc2.weight.detach().clone()
     engine.step()
-    out: dict[str, Any] = {"buckets": len(engine.param_refresh.buckets), "pending_after_step": engine.param_refresh.pending,
+    out: dict[str, Any] = {"buckets": len(engine.param_refresh.buckets),
+                           "pending_after_step": engine.param_refresh.pending,
                            "done_after_step": engine.param_refresh.done}
     seen = {}
     # Runs after the engine's pre-hook (registered at initialize): sees what fc2's forward sees.

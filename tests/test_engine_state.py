@@ -43,7 +43,8 @@ def _snapshot(engine: Any) -> dict[str, Any]:
         shards[name] = {"range": (info.start, info.end), "shape": info.shape, "world": info.world_size,
                         "fragment": info.fragment.clone(),
                         "tensor_state": {k: v[: info.end - info.start].clone() for k, v in info.tensor_state.items()},
-                        "scalar_state": {k: v.clone() if torch.is_tensor(v) else v for k, v in info.scalar_state.items()}}
+                        "scalar_state": {k: v.clone() if torch.is_tensor(v) else v
+                                         for k, v in info.scalar_state.items()}}
     state = engine.checkpoint_state()
     return {"shards": shards, "engine": {"counters": state.counters, "loss_scaler": dict(state.loss_scaler),
                                          "param_groups": state.param_groups}}
@@ -120,7 +121,8 @@ def _assemble(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         parts = sorted((s["shards"][name] for s in snapshots), key=lambda s: s["range"])
         if first["world"] == 1:
             parts = parts[:1]  # stage 0: every rank holds everything
-        cat = lambda key, sub=None: torch.cat([p[key] if sub is None else p[key][sub] for p in parts])[:numel]
+        def cat(key, sub=None):
+            return torch.cat([p[key] if sub is None else p[key][sub] for p in parts])[:numel]
         full[name] = {"fragment": cat("fragment"),
                       "tensor_state": {k: cat("tensor_state", k) for k in first["tensor_state"]},
                       "scalar_state": first["scalar_state"]}

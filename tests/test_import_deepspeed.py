@@ -60,7 +60,8 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
     _import(FIXTURES / f"stage{stage}", out)
     _, manifest = open_checkpoint(str(out))
     assert manifest.step == 3 and manifest.zero_stage == stage and manifest.aliases == {"head.weight": "emb.weight"}
-    steps = list(range(len(expected["losses_before"]), len(expected["losses_before"]) + len(expected["losses_resumed"])))
+    steps = list(range(len(expected["losses_before"]),
+                       len(expected["losses_before"]) + len(expected["losses_resumed"])))
     # resume at the source's world size and stage, and at another stage (the format is stage-free)
     for engine_stage in (stage, 3 if stage != 3 else 1):
         got = run_ranks(_resume, 2, path=str(out), stage=engine_stage, steps=steps, init_process_group=False)[0]
@@ -127,8 +128,10 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_interop_is_toolkit_side():
     """The importers never import the training core, and torch only when a command runs."""
     code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
-            "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; print('\\n'.join(sys.modules))")
-    modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
+            "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; "
+            "print('\\n'.join(sys.modules))")
+    modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                 text=True).stdout.split())
     assert "torch" not in modules
     assert not {m for m in modules if m.startswith(("zeroshard.engine", "zeroshard.checkpointing"))}
 

@@ -99,7 +99,8 @@ def test_export_dcp_goes_back_to_fsdp2(tmp_path):
     """DeepSpeed -> zeroshard -> DCP -> FSDP2: FSDP2 continues exactly as DeepSpeed did."""
     expected = json.loads((FIXTURES / "stage2" / "expected.json").read_text())
     runner = CliRunner()
-    assert runner.invoke(main, ["import", "deepspeed", str(FIXTURES / "stage2"), str(tmp_path / "zs"), "-q"]).exit_code == 0
+    assert runner.invoke(main, ["import", "deepspeed", str(FIXTURES / "stage2"), str(tmp_path / "zs"),
+                                "-q"]).exit_code == 0
     result = runner.invoke(main, ["export", "dcp", str(tmp_path / "zs"), str(tmp_path / "dcp"), "-q"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "dcp" / ".metadata").exists()
@@ -119,7 +120,8 @@ def test_export_dcp_goes_back_to_fsdp2(tmp_path):
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
     for name, tensor in source.params.items():
         assert torch.equal(sd["model"][name], tensor)
-        assert torch.equal(sd["optim"]["state"][name]["exp_avg"], source.optimizer_state[name]["exp_avg"].view(tensor.shape))
+        assert torch.equal(sd["optim"]["state"][name]["exp_avg"],
+                           source.optimizer_state[name]["exp_avg"].view(tensor.shape))
         assert sd["optim"]["state"][name]["step"].item() == 3
     assert torch.equal(sd["model"]["head.weight"], source.params["emb.weight"])
     assert torch.equal(sd["model"]["scale"], torch.full((5,), 0.5))

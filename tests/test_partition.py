@@ -69,7 +69,8 @@ def test_holders_are_exactly_the_overlapping_ranks(numel, world):
 
     ranges = shard_ranges(numel, world)
     for start, end in [(0, numel), (0, 1), (numel // 3, numel // 2 + 1), (numel - 1, numel), (2, 2)]:
-        expected = [(r, rng) for r, rng in enumerate(ranges) if rng[1] > rng[0] and max(rng[0], start) < min(rng[1], end)]
+        expected = [(r, rng) for r, rng in enumerate(ranges)
+                    if rng[1] > rng[0] and max(rng[0], start) < min(rng[1], end)]
         assert holders(numel, world, start, end) == expected
 
 

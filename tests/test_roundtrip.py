@@ -106,7 +106,8 @@ def test_consolidate_writes_only_model_weights_and_tied_aliases(tmp_path):
     assert_same(expected, out)
 
 
-@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
+@pytest.mark.parametrize("dtype,torch_dtype",
+                         [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
 def test_consolidate_dtype_cast_matches_torch(tmp_path, dtype, torch_dtype):
     model = odd_model()
     save_model(model, tmp_path / "m.safetensors")

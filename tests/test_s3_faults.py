@@ -98,7 +98,8 @@ def test_dropped_upload_keeps_old_output_and_clean_aborts_the_pending_upload(pro
 
 def test_the_next_run_into_the_output_aborts_a_dead_runs_pending_uploads(proxy, old_output, s3_client):
     ckpt, out, bucket, before = old_output
-    proxy.rule = lambda m, p, q: ("drop", 100) if (m == "PUT" and "partNumber=" in q) or (m == "DELETE" and "uploadId=" in q) else None
+    proxy.rule = lambda m, p, q: (("drop", 100) if (m == "PUT" and "partNumber=" in q)
+                                  or (m == "DELETE" and "uploadId=" in q) else None)
     result = CliRunner().invoke(main, ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out, *via(proxy)])
     one_line_failure(result, out)
     assert pending(s3_client, bucket)
@@ -116,7 +117,8 @@ def test_failing_read_mid_overwrite_leaves_nothing_behind(tmp_path, proxy, old_o
     # the input on S3 too, its last rank file unreadable (HTTP 500) once the copy is under way
     specs, data = training_state()
     write_checkpoint(f"{s3_bucket}/in", specs, data, 3)
-    proxy.rule = lambda m, p, q: ("status", 500) if m == "GET" and p.endswith("/in/rank-00002-of-00003.safetensors") else None
+    proxy.rule = lambda m, p, q: (("status", 500) if m == "GET" and p.endswith("/in/rank-00002-of-00003.safetensors")
+                                  else None)
     result = CliRunner().invoke(main, ["reshard", "-q", "--overwrite", f"{s3_bucket}/in", "--to", "3", "-o", out,
                                        *via(proxy)])
     one_line_failure(result, "rank-00002-of-00003.safetensors")

@@ -41,7 +41,8 @@ def test_hostile_header_is_a_one_line_error_naming_the_file(tmp_path, case):
     header, data, needle = CASES[case]
     header_file(tmp_path / "m.safetensors", header, data)
     started = time.monotonic()
-    result = CliRunner().invoke(main, ["shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--world", "2"])
+    result = CliRunner().invoke(main, ["shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "out"),
+                                       "--world", "2"])
     assert time.monotonic() - started < 10
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
@@ -52,7 +53,8 @@ def test_hostile_header_is_a_one_line_error_naming_the_file(tmp_path, case):
 
 def test_absurd_header_length_is_refused_before_reading(tmp_path):
     header_file(tmp_path / "m.safetensors", b"{}", length=1 << 62)
-    result = CliRunner().invoke(main, ["shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--world", "1"])
+    result = CliRunner().invoke(main, ["shard", "-q", str(tmp_path / "m.safetensors"), str(tmp_path / "out"),
+                                       "--world", "1"])
     assert result.exit_code == 1 and "absurd safetensors header length" in result.output
 
 

@@ -94,8 +94,8 @@ def test_output_that_is_the_input_under_another_name_is_refused(ckpt, spelling, 
 def test_shard_into_its_own_model_file_is_refused(tmp_path):
     save_model({"w": __import__("torch").arange(6.0)}, tmp_path / "m.safetensors")
     before = snapshot(tmp_path)
-    code, output = run_cli("shard", "-q", "--overwrite", str(tmp_path / "m.safetensors"), str(tmp_path / "m.safetensors"),
-                           "--world", "2")
+    code, output = run_cli("shard", "-q", "--overwrite", str(tmp_path / "m.safetensors"),
+                           str(tmp_path / "m.safetensors"), "--world", "2")
     assert_one_line_error(code, output, "must differ from the input")
     assert snapshot(tmp_path) == before
 

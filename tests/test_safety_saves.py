@@ -91,7 +91,8 @@ def test_a_toolkit_output_being_written_is_refused(tmp_path):
         assert CLAIM_NAME in result.output and len(result.output.strip().splitlines()) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [CLAIM_NAME]
     held.release()
-    result = CliRunner().invoke(main, ["reshard", "-q", str(tmp_path / "ckpt"), "--to", "1", "-o", str(tmp_path / "out")])
+    result = CliRunner().invoke(main, ["reshard", "-q", str(tmp_path / "ckpt"), "--to", "1", "-o",
+                                       str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "out" / CLAIM_NAME).exists()  # released after the commit
 
@@ -102,7 +103,8 @@ def test_a_save_whose_tag_another_job_is_writing_fails_on_every_rank(tmp_path):
     held = take_claim(Location(str(root / TAG)), "checkpoint tag")  # "the other job", alive: this process
     outs = run_ranks(run, 2, timeout=240, stage=2, steps=1, ckpt=str(root), save_at=(1,))
     for out in outs:
-        assert len(out["errors"]) == 1 and "being written by another zeroshard process" in out["errors"][0], out["errors"]
+        assert (len(out["errors"]) == 1
+                and "being written by another zeroshard process" in out["errors"][0]), out["errors"]
     assert sorted(p.name for p in (root / TAG).iterdir()) == [CLAIM_NAME]  # no rank wrote a byte
     assert not (root / "latest").exists()
     held.release()

@@ -237,7 +237,8 @@ def main() -> None:
         t = time.perf_counter()
         build = [sys.executable, __file__, "--build-only", ckpt, "--params", args.params]
         built = json.loads(timed(build + (["--role-major"] if args.role_major else []), pid)["out"])
-        print(f"checkpoint: {built['params'] / 1e6:.0f}M params with AdamW state, 4 ranks, {built['total'] / 1e6:.0f} MB, "
+        print(f"checkpoint: {built['params'] / 1e6:.0f}M params with AdamW state, 4 ranks, "
+              f"{built['total'] / 1e6:.0f} MB, "
               f"{'weights first' if args.role_major else 'each weight followed by its states'} "
               f"({built['weights'] / 1e6:.0f} MB of weights), written to {endpoint} in {time.perf_counter() - t:.1f}s")
         print(f"machine: {os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.2f}; server: "
@@ -281,7 +282,8 @@ def main() -> None:
                   f"{r['client_cpu']:.1f} | {r['server_cpu']:.1f} | {r['server_cpu'] / r['wall']:.0%} |")
         print(f"\nload average during the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs "
               f"(other work on the machine included)")
-        ok = all(best[n]["wall"] and jobs[n][1] / best[n]["wall"] >= 2 * base for n in ("consolidate", "reshard 4 -> 3"))
+        ok = all(best[n]["wall"] and jobs[n][1] / best[n]["wall"] >= 2 * base
+                 for n in ("consolidate", "reshard 4 -> 3"))
         print(f"target (consolidate and reshard >= 2x single-stream copy throughput): {'met' if ok else 'NOT met'}")
     finally:
         if server:

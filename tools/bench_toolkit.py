@@ -136,7 +136,8 @@ def main() -> None:
           f"(largest tensor {largest / 2**20:.0f} MiB), built in {time.perf_counter() - t:.1f}s")
 
     def rm(*paths):
-        return lambda: [shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True) for p in paths]
+        return lambda: [shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                        for p in paths]
 
     def pair(ours, ours_cleanup, base, base_cleanup, plain):
         """Interleave zeroshard and baseline runs (the disk's speed drifts); best of each."""
@@ -171,7 +172,8 @@ def main() -> None:
         f"cat {ckpt}/*.safetensors > /dev/null")))
 
     limit = largest + 512 * 2**20
-    print("\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | peak RSS MiB | RSS target MiB |")
+    print("\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | "
+          "peak RSS MiB | RSS target MiB |")
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for name, size, (wall, rss), (base, _), (plain, _) in rows:

@@ -22,7 +22,8 @@ def agree(error: BaseException | None, group: Any = None, *, action: str, payloa
     """
     import torch.distributed as dist  # the toolkit imports this module without needing torch
 
-    message = None if error is None else str(error) if isinstance(error, ZeroshardError) else f"{type(error).__name__}: {error}"
+    message = (None if error is None else str(error) if isinstance(error, ZeroshardError)
+               else f"{type(error).__name__}: {error}")
     outcome = (message, payload if error is None else None)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, outcome, group=group)

@@ -110,8 +110,8 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Processes sharing the work on this machine (default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @_common
-def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool, workers: int | None,
-                storage_options: dict, quiet: bool) -> None:
+def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
+                workers: int | None, storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
     \b
@@ -176,7 +176,8 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 @click.argument("ckpt")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Processes sharing the files (default: every core, up to 8, for 256+ MiB).")
-@click.option("--key-file", default=None, metavar="FILE", help="Also check the signature made by `zeroshard sign` with this key.")
+@click.option("--key-file", default=None, metavar="FILE",
+              help="Also check the signature made by `zeroshard sign` with this key.")
 @click.option("--deep", is_flag=True,
               help="Also check every fragment against its file's hash table (the writer's arithmetic; "
                    "a changed byte already fails the whole-file hash).")

@@ -267,5 +267,6 @@ def _read_source(folder: Any, readers: dict[str, Any], source: SourceTensor, sta
         readers[source.file] = folder.open_reader(source.file, follow_links=True)
     out = torch.empty(end - start, dtype=torch_dtype(source.dtype))
     if end > start:
-        readers[source.file].read_into(source.begin + start * source.itemsize, memoryview(out.view(torch.uint8).numpy()))
+        readers[source.file].read_into(source.begin + start * source.itemsize,
+                                       memoryview(out.view(torch.uint8).numpy()))
     return out

@@ -52,7 +52,8 @@ class _Schedule:
         raise NotImplementedError
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
+                                     else last_batch_iteration)
         self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
 
     def get_last_lr(self) -> list[float]:
@@ -171,7 +172,8 @@ class OneCycle(_Schedule):
     beta1 cycles the other way between cycle_max_mom and cycle_min_mom."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
-                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
                  cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
@@ -186,7 +188,8 @@ class OneCycle(_Schedule):
         self.step_ratio = first / self.total_size
         self.first_step_size, self.second_step_size = first, second
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
         self.decay_step_size = decay_step_size
         self.skip_lr_decay = self.skip_mom_decay = math.isclose(decay_step_size, 0)
 

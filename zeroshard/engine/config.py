@@ -254,7 +254,8 @@ def _check_value(key: str, value: Any, kind: Any) -> Any:
         base = typing.get_origin(t) or t
         if base is bool and isinstance(value, bool):
             return value
-        if base is int and isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+        if (base is int and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and float(value).is_integer()):
             return int(value)  # DeepSpeed configs often write 5e8
         if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

@@ -176,7 +176,8 @@ class ZeroEngine:
         self._cast_module()
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
         self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
-                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate, device) if self.stage == 3 else None
+                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate,
+                              device) if self.stage == 3 else None
         if meta is not None and self.stage == 3:
             meta.materialize(init_fn, self._set_master, device, self.group)
             self._broadcast_from_rank0(params=False)

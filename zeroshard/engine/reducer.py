@@ -9,7 +9,8 @@ that got no gradient contribute zeros), waits, and adds the results into `master
 Every rank must issue the same collectives in the same order, whatever order the hooks fire
 in, so buckets are static and always launch in index order (a ready bucket waits for earlier
 ones, as in DDP). At most two buckets are in flight: launching one first finishes the one
-before the previous, so bucket buffers never add up to a full gradient. The initial order is reverse registration order; after the first reducing
+before the previous, so bucket buffers never add up to a full gradient. The initial order is \
+reverse registration order; after the first reducing
 backward, buckets are rebuilt once in the order rank 0 saw gradients arrive, which makes
 later backwards launch them as early as possible.
 """

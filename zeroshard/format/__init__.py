@@ -31,7 +31,8 @@ from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, 
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "CheckpointReader", "FileEntry", "Fragment",
-    "HASH_TABLE_NAME", "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header", "check_manifest",
+    "HASH_TABLE_NAME", "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header",
+    "check_manifest",
     "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest", "prepare_output_folder",
     "rank_contents", "rank_file_name", "resolve_checkpoint", "update_latest", "write_rank_file",
 ]

@@ -9,8 +9,8 @@ a `latest` file, which moves only after that commit.
 from __future__ import annotations
 
 from zeroshard.errors import CheckpointError, OutputExistsError
-from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, is_rank_file_name, is_safe_file_name,
-                                       parse_manifest)
+from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, is_rank_file_name,
+                                       is_safe_file_name, parse_manifest)
 from zeroshard.storage.location import TEMP_PREFIX, Location
 
 
@@ -24,12 +24,13 @@ def resolve_checkpoint(location: Location) -> Location:
         _refuse_link(location, LATEST_NAME)
         raw = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES + 1)
         if len(raw) > MAX_LATEST_BYTES:
-            raise CheckpointError(location.url_of(LATEST_NAME), f"is over {MAX_LATEST_BYTES} bytes: not a checkpoint name "
-                                                                f"(starts {raw[:32]!r})")
+            raise CheckpointError(location.url_of(LATEST_NAME),
+                                  f"is over {MAX_LATEST_BYTES} bytes: not a checkpoint name (starts {raw[:32]!r})")
         name = raw.decode("utf-8", "replace").strip()
         if not is_safe_file_name(name):
-            raise CheckpointError(location.url_of(LATEST_NAME), f"names {name[:64]!r}{'...' if len(name) > 64 else ''}, "
-                                                                f"which is not a folder inside {location.url}")
+            raise CheckpointError(location.url_of(LATEST_NAME),
+                                  f"names {name[:64]!r}{'...' if len(name) > 64 else ''}, "
+                                  f"which is not a folder inside {location.url}")
         _refuse_link(location, name)
         target = location.child(name)
         if not target.exists(MANIFEST_NAME):

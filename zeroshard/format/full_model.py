@@ -50,7 +50,8 @@ def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Loca
         return target, _file_tensors(target, HF_SINGLE_NAME)
     if not target.exists():
         raise CheckpointError(url, "no such file or folder")
-    raise CheckpointError(url, f"not a full model: expected a .safetensors file, or a folder with {HF_INDEX_NAME} or {HF_SINGLE_NAME}")
+    raise CheckpointError(url, "not a full model: expected a .safetensors file, "
+                               f"or a folder with {HF_INDEX_NAME} or {HF_SINGLE_NAME}")
 
 
 def _file_tensors(folder: Location, name: str) -> list[SourceTensor]:
@@ -79,7 +80,8 @@ def _indexed_tensors(folder: Location) -> list[SourceTensor]:
                 out.append(tensor)
     missing = set(weight_map) - {t.name for t in out}
     if missing:
-        raise CheckpointError(where, f"{len(missing)} tensors in weight_map are not in their files, e.g. {sorted(missing)[0]!r}")
+        raise CheckpointError(where, f"{len(missing)} tensors in weight_map are not in their files, "
+                                     f"e.g. {sorted(missing)[0]!r}")
     return out
 
 

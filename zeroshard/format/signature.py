@@ -34,7 +34,8 @@ def _mac(key: bytes, body: dict[str, Any]) -> str:
 
 def make_signature(key: bytes, manifest_bytes: bytes, file_digests: dict[str, str]) -> bytes:
     """The signature file's bytes."""
-    body = {"algorithm": ALGORITHM, "key_id": key_id(key), "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+    body = {"algorithm": ALGORITHM, "key_id": key_id(key),
+            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
             "files_sha256": dict(sorted(file_digests.items()))}
     return (json.dumps({**body, "signature": _mac(key, body)}, indent=2) + "\n").encode()
 

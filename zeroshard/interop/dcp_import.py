@@ -53,7 +53,8 @@ def _read_blob(folder: str, info: Any, what: str) -> Any:
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(path, f"{what} (bytes {info.offset}+{info.length}): refused or unreadable: {first}") from None
+        raise CheckpointError(path, f"{what} (bytes {info.offset}+{info.length}): "
+                                    f"refused or unreadable: {first}") from None
 
 
 def _assemble(folder: str, metadata: Any, key: str, entry: Any, chunks: dict) -> Any:
@@ -131,13 +132,15 @@ def read_dcp(src: str) -> Imported:
     for name, value in model.items():
         if name in imp.params:
             continue
-        twin = next((p for p in names if imp.params[p].shape == value.shape and torch.equal(imp.params[p], value.float())),
+        twin = next((p for p in names
+                     if imp.params[p].shape == value.shape and torch.equal(imp.params[p], value.float())),
                     None) if value.is_floating_point() else None
         if twin is not None and name not in state:
             imp.aliases[name] = twin  # a tied weight: saved twice by the state dict, one parameter
         else:
             imp.buffers[name] = value
-    imp.param_groups = [{**{k: to_json(v) for k, v in g.items() if k != "params"}, "params": list(map(str, g["params"]))}
+    imp.param_groups = [{**{k: to_json(v) for k, v in g.items() if k != "params"},
+                         "params": list(map(str, g["params"]))}
                         for g in ordered_groups if g.get("params") is not None]
     imp.optimizer_class = optimizer_class_of(imp.param_groups)
     steps = [v["step"]["value"] for v in imp.scalar_state.values() if "step" in v]

@@ -58,7 +58,8 @@ def _optim_files(folder: str) -> list[str]:
         m = _OPTIM.match(name)
         if m:
             if int(m.group(2)) != 0:
-                raise CheckpointError(os.path.join(folder, name), "model-parallel checkpoints (mp_rank > 0) are not supported")
+                raise CheckpointError(os.path.join(folder, name),
+                                      "model-parallel checkpoints (mp_rank > 0) are not supported")
             found[int(m.group(1))] = os.path.join(folder, name)
     if not found or sorted(found) != list(range(len(found))):
         raise CheckpointError(folder, f"expected zero_pp_rank_0..N-1 optimizer files, found ranks {sorted(found)}")

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from zeroshard.errors import ClaimError, StorageError
+from zeroshard.errors import ClaimError
 from zeroshard.storage.location import Location
 from zeroshard.storage.owner import owner_alive, owner_tag
 
@@ -64,9 +64,11 @@ def take_claim(location: Location, what: str = "output") -> Claim:
         if alive is False or (alive is None and age > STALE_CLAIM_S) or location.is_link(CLAIM_NAME):
             _take_over(location, holder.get("nonce"))
             continue
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder["time"])) if isinstance(holder.get("time"), (int, float)) else "?"
+        since = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder["time"]))
+                 if isinstance(holder.get("time"), (int, float)) else "?")
         raise ClaimError(location.url_of(CLAIM_NAME),
-                         f"this {what} is being written by another zeroshard process (owner {holder.get('owner', '?')}, "
+                         f"this {what} is being written by another zeroshard process "
+                         f"(owner {holder.get('owner', '?')}, "
                          f"since {since} UTC); wait for it, or if it is gone, remove this file (zeroshard clean)")
     raise ClaimError(location.url_of(CLAIM_NAME), f"could not claim this {what}: other writers keep taking it")
 

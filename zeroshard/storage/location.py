@@ -131,7 +131,8 @@ class Location:
         """Names directly inside this folder; empty when it does not exist."""
         with storage_errors(self.url):
             try:
-                entries = self.fs.ls(self.path, detail=False, refresh=True) if not self.local else self.fs.ls(self.path, detail=False)
+                entries = (self.fs.ls(self.path, detail=False, refresh=True) if not self.local
+                           else self.fs.ls(self.path, detail=False))
             except FileNotFoundError:
                 return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)

@@ -191,7 +191,8 @@ def read_ranges(location: "Location", ranges: Iterable[tuple[str, int, int]], *,
         while upcoming is not None and (not in_flight or (len(in_flight) < max_requests
                                                            and held + upcoming[3] - upcoming[2] <= max_bytes)):
             i, name, start, end = upcoming
-            in_flight.append((i, start, end, submit(location.fs, "cat_file", location._full(name), start=start, end=end)))
+            in_flight.append((i, start, end,
+                              submit(location.fs, "cat_file", location._full(name), start=start, end=end)))
             held += end - start
             upcoming = next(pieces, None)
 

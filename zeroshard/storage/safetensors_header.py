@@ -81,7 +81,8 @@ def _entry_prefix(name: str, dtype: str) -> str:
     return f'{json.dumps(name)}:{{"dtype":"{dtype}","shape":['  # the same names recur in every rank file
 
 
-def build_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
+def build_header(tensors: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str]) -> tuple[bytes, dict[str, HeaderEntry]]:
     """The header bytes for tensors laid out back to back in the given order.
 
     Returns the bytes (length prefix included) and each tensor's absolute byte range.
@@ -151,7 +152,8 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
     try:
         table = json.loads(raw, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
-        raise CheckpointError(where, f"safetensors header names {_quote(exc.args[0])} twice (which one is the tensor?)") from None
+        raise CheckpointError(where, f"safetensors header names {_quote(exc.args[0])} twice "
+                                     "(which one is the tensor?)") from None
     except RecursionError:
         raise CheckpointError(where, "safetensors header is nested absurdly deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -177,7 +179,8 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise CheckpointError(where, f"safetensors header entry {_quote(name)} is malformed (dtype, shape, data_offsets)")
+            raise CheckpointError(where, f"safetensors header entry {_quote(name)} is malformed "
+                                         "(dtype, shape, data_offsets)")
         if end - begin != numel * sizes[dtype]:
             raise CheckpointError(where, f"tensor {_quote(name)}: byte range does not match its dtype and shape")
         entries[name] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
@@ -185,7 +188,8 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
     cursor = data_start
     for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if entry.begin != cursor:
-            raise CheckpointError(where, f"tensor {_quote(name)} does not start where the previous one ends (overlap or gap)")
+            raise CheckpointError(where, f"tensor {_quote(name)} does not start where the previous one ends "
+                                         "(overlap or gap)")
         cursor = entry.end
     if file_size is not None and cursor != file_size:
         problem = "truncated" if file_size < cursor else "longer than its header says"
