@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from checkpoints import odd_model, save_model, training_state, write_checkpoint
 from zeroshard.cli import main
+
+from checkpoints import odd_model, save_model, training_state, write_checkpoint
 
 RANK1 = "rank-00001-of-00003.safetensors"
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zeroshard
+
 from distributed import RankError, run_ranks
 from test_engine_models import assert_losses_close, assert_state_close, batches, build_optimizer, make_model, train_step
 

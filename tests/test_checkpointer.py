@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from distributed import run_ranks
 from zeroshard.checkpointing.stateful import decode_rank_state, encode_rank_state, name_stateful, to_json_value
+
+from distributed import run_ranks
 
 LEGACY = Path(__file__).parent / "data" / "engine-1.1-rng"
 

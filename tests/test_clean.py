@@ -9,11 +9,12 @@ import time
 
 from click.testing import CliRunner
 
-from checkpoints import training_state, write_checkpoint
 from zeroshard.cli import main
 from zeroshard.storage.claim import CLAIM_NAME
 from zeroshard.storage.leftovers import SWAP_MARKER
 from zeroshard.storage.owner import host_id, owner_tag
+
+from checkpoints import training_state, write_checkpoint
 
 
 def dead_owner() -> str:

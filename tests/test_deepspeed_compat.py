@@ -49,8 +49,9 @@ def _warmup_lr(k: int, max_lr: float = 0.001, n: int = 5) -> float:
 def _reference(micro: int, grad_accum: int, samples: int = 64, seed: int = 1138) -> list[list[float]]:
     """Single process, plain torch: the global batch of both ranks, mean loss, clip 1.0, AdamW."""
     sys.path.insert(0, str(ROOT))
-    from samples.cifar_deepspeed import Net, synthetic_cifar
     from torch.utils.data.distributed import DistributedSampler
+
+    from samples.cifar_deepspeed import Net, synthetic_cifar
 
     torch.manual_seed(seed)
     net = Net()

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import zeroshard
+from zeroshard.engine.optim import check_elementwise, check_user_optimizer
+
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
-from zeroshard.engine.optim import check_elementwise, check_user_optimizer
 
 
 def _adam(model: nn.Module) -> torch.optim.Optimizer:

@@ -19,6 +19,7 @@ def gpu_train(rank: int, world: int, stage: int, dtype: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import zeroshard
+
     from test_engine_models import batches, lm_loss, make_model, micro_batch
 
     model = make_model()
@@ -68,6 +69,7 @@ def test_nccl_bf16_stage3_tracks_reference() -> None:
 
 def gpu_offload(rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
     import zeroshard
+
     from test_engine_models import batches, lm_loss, make_model, micro_batch
 
     model = make_model()

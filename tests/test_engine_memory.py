@@ -27,9 +27,10 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.partition import chunk_size
+
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
-from zeroshard.partition import chunk_size
 
 
 def measure(rank: int, world: int, stage: int, dtype: str) -> dict[str, Any]:

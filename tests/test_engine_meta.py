@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import zeroshard
+
 from distributed import run_ranks
 from test_engine_models import VOCAB, Block, TinyGPT, batches, train_step
 

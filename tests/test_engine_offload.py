@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zeroshard
+
 from distributed import run_ranks
 from test_engine_models import batches, make_model, train_step
 

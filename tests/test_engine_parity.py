@@ -16,9 +16,19 @@ import pytest
 import torch
 
 import zeroshard
+
 from distributed import run_ranks
-from test_engine_models import (assert_losses_close, assert_state_close, batches, build_optimizer,
-                                lm_loss, make_model, micro_batch, reference_run, train_step)
+from test_engine_models import (
+    assert_losses_close,
+    assert_state_close,
+    batches,
+    build_optimizer,
+    lm_loss,
+    make_model,
+    micro_batch,
+    reference_run,
+    train_step,
+)
 
 STEPS, GLOBAL_BATCH = 3, 16
 FP32_TOL = 1e-5

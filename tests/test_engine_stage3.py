@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zeroshard
+
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
 

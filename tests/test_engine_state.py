@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.partition import chunk_size, shard_range
+
 from distributed import run_ranks
 from test_engine_models import assert_state_close, batches, lm_loss, make_model, micro_batch
-from zeroshard.partition import chunk_size, shard_range
 
 
 def _engine(stage: int, seed: int = 0) -> Any:

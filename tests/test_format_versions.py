@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from checkpoints import read_checkpoint, training_state, write_checkpoint
-from test_roundtrip import assert_same
 from zeroshard.format import open_checkpoint
 from zeroshard.format.writer import TensorSpec
 from zeroshard.toolkit.consolidate import consolidate
 from zeroshard.toolkit.inspect import inspect_checkpoint
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.verify import verify
+
+from checkpoints import read_checkpoint, training_state, write_checkpoint
+from test_roundtrip import assert_same
 
 FORMAT_1_0 = Path(__file__).parent / "data" / "format-1.0"
 
@@ -45,7 +46,8 @@ def test_1_0_training_checkpoint_reshards_with_its_optimizer_state(tmp_path):
     reshard(str(FORMAT_1_0 / "training-w3"), 3, str(tmp_path / "same"))
     assert_same(original, read_checkpoint(str(tmp_path / "same")))  # same world size: RNG states carry
     reshard(str(FORMAT_1_0 / "training-w3"), 5, str(tmp_path / "five"))
-    assert_same({k: v for k, v in original.items() if not k.startswith("rng/")}, read_checkpoint(str(tmp_path / "five")))
+    assert_same({k: v for k, v in original.items() if not k.startswith("rng/")},
+                read_checkpoint(str(tmp_path / "five")))
     _, manifest = open_checkpoint(str(tmp_path / "five"))
     assert manifest.aliases == {"lm_head.weight": "embed.weight"} and manifest.step == 7
 

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from distributed import run_ranks
-from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
 from zeroshard.format import open_checkpoint
 from zeroshard.interop.deepspeed_ckpt import read_deepspeed
+
+from distributed import run_ranks
+from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 

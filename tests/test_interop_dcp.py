@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from distributed import run_ranks
-from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_import import read_dcp
+
+from distributed import run_ranks
+from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 

@@ -7,12 +7,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
 from zeroshard.format import HASH_TABLE_NAME, CheckpointReader, open_checkpoint, owned_range
 from zeroshard.toolkit.consolidate import consolidate, parse_size, plan_shards
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.shard import shard
 from zeroshard.toolkit.verify import verify
+
+from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
 
 
 def assert_same(a: dict, b: dict):

@@ -5,14 +5,15 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
-from test_roundtrip import assert_same
 from zeroshard.cli import main
 from zeroshard.storage import Location
 from zeroshard.toolkit.consolidate import consolidate
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.shard import shard
 from zeroshard.toolkit.verify import verify
+
+from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
+from test_roundtrip import assert_same
 
 pytestmark = pytest.mark.s3
 

@@ -9,9 +9,10 @@ import hashlib
 import pytest
 from click.testing import CliRunner
 
+from zeroshard.cli import main
+
 from checkpoints import training_state, write_checkpoint
 from s3_fault_proxy import FaultProxy
-from zeroshard.cli import main
 
 pytestmark = pytest.mark.s3
 

@@ -4,8 +4,8 @@ the old output until the new one commits, and no links followed out of a checkpo
 import hashlib
 import json
 import os
-import struct
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from zeroshard.cli import main
+
 from checkpoints import save_model, training_state, write_checkpoint
 from test_bad_input import _cli_with_file_size_limit
-from zeroshard.cli import main
 
 RANK0 = "rank-00000-of-00003.safetensors"
 

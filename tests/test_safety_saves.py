@@ -11,13 +11,14 @@ import time
 
 import pytest
 from click.testing import CliRunner
-
-from checkpoints import training_state, write_checkpoint
-from distributed import run_ranks
 from test_checkpoint_engine import run
+
 from zeroshard.cli import main
 from zeroshard.storage import Location
 from zeroshard.storage.claim import CLAIM_NAME, STALE_CLAIM_S, ClaimError, take_claim
+
+from checkpoints import training_state, write_checkpoint
+from distributed import run_ranks
 
 TAG = "step-00000001"
 

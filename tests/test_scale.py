@@ -8,14 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import read_checkpoint, training_state, write_checkpoint
-from test_bad_input import flip_byte_in
-from test_roundtrip import assert_same
 from zeroshard.errors import CheckpointError
 from zeroshard.toolkit.consolidate import consolidate
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.shard import shard
 from zeroshard.toolkit.verify import verify
+
+from checkpoints import read_checkpoint, training_state, write_checkpoint
+from test_bad_input import flip_byte_in
+from test_roundtrip import assert_same
 
 
 def leftovers(folder: Path) -> list[str]:

@@ -7,10 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from checkpoints import training_state, write_checkpoint
 from zeroshard.cli import main
 from zeroshard.format.signature import SIGNATURE_NAME
 from zeroshard.toolkit.verify import verify
+
+from checkpoints import training_state, write_checkpoint
 
 RANK1 = "rank-00001-of-00002.safetensors"
 

@@ -69,8 +69,14 @@ def noise_fill():
 
 def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int, int]:
     """Write the synthetic checkpoint; returns (parameter count, total bytes, largest tensor bytes)."""
-    from zeroshard.format import (TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder,
-                                  rank_contents, write_rank_file)
+    from zeroshard.format import (
+        TensorSpec,
+        build_manifest,
+        commit_checkpoint,
+        prepare_output_folder,
+        rank_contents,
+        write_rank_file,
+    )
     from zeroshard.storage import Location
 
     specs = []

@@ -7,8 +7,17 @@ Every error zeroshard raises on purpose is a ZeroshardError (zeroshard/errors.py
 
 from typing import Any
 
-from zeroshard.errors import (CheckpointError, CheckpointSaveError, ClaimError, ConfigError, EngineUsageError,
-                              OtherRanksFailedError, OutputExistsError, StorageError, ZeroshardError)
+from zeroshard.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    ClaimError,
+    ConfigError,
+    EngineUsageError,
+    OtherRanksFailedError,
+    OutputExistsError,
+    StorageError,
+    ZeroshardError,
+)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",

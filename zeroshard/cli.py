@@ -191,9 +191,8 @@ def verify(ckpt: str, workers: int | None, key_file: str | None, deep: bool, sto
     fragments cover every element of every tensor exactly once; no stray rank files. Lists
     every problem found (exit 3).
     """
-    from zeroshard.toolkit.verify import verify as run
-
     from zeroshard.format.signature import read_key
+    from zeroshard.toolkit.verify import verify as run
 
     key = read_key(key_file) if key_file else None
     report = run(ckpt, storage_options=storage_options, quiet=quiet, key=key, workers=workers, deep=deep)

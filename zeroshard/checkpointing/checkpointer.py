@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
-from zeroshard.checkpointing.save import (SaveJob, agree_on_save, claim_tag, new_checkpoint_id,
-                                          write_and_commit)
+from zeroshard.checkpointing.save import SaveJob, agree_on_save, claim_tag, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
 from zeroshard.format.manifest import is_safe_file_name

@@ -29,9 +29,9 @@ from zeroshard.checkpointing.stateful import decode_rank_state, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.reader import fragments_of
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.format.reader import fragments_of
 from zeroshard.format.training_state import global_stateful, legacy_rng_key, rank_state_key
 from zeroshard.storage.safetensors_header import torch_dtype
 

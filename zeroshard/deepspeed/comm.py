@@ -2,8 +2,18 @@
 
 import os
 
-from torch.distributed import (ReduceOp, all_gather, all_gather_into_tensor, all_reduce, barrier, broadcast,
-                               get_rank, get_world_size, is_initialized, reduce_scatter_tensor)
+from torch.distributed import (
+    ReduceOp,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+    get_rank,
+    get_world_size,
+    is_initialized,
+    reduce_scatter_tensor,
+)
 
 from zeroshard.deepspeed.launch import init_distributed
 

@@ -33,21 +33,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.engine import memory, state
-from zeroshard.engine.contract import EngineState
 from zeroshard.agree import agree
+from zeroshard.engine import memory, state
 from zeroshard.engine.collectives import ensure_process_group
 from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine.contract import EngineState
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
 from zeroshard.engine.offload import master_device
-from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
+from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
 from zeroshard.errors import EngineUsageError
-
 
 _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
                "the forward of a module that holds it (its unit). Use it through that module, or make "

@@ -22,11 +22,12 @@ from zeroshard.format.manifest import (
     Manifest,
     TensorEntry,
     check_manifest,
+    owned_range,
     parse_manifest,
+    rank_contents,
     rank_file_name,
 )
 from zeroshard.format.reader import CheckpointReader, check_header
-from zeroshard.format.manifest import owned_range, rank_contents
 from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, write_rank_file
 
 __all__ = [

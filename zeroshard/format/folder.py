@@ -9,8 +9,15 @@ a `latest` file, which moves only after that commit.
 from __future__ import annotations
 
 from zeroshard.errors import CheckpointError, OutputExistsError
-from zeroshard.format.manifest import (LATEST_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, is_rank_file_name,
-                                       is_safe_file_name, parse_manifest)
+from zeroshard.format.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    is_rank_file_name,
+    is_safe_file_name,
+    parse_manifest,
+)
 from zeroshard.storage.location import TEMP_PREFIX, Location
 
 

@@ -340,7 +340,8 @@ def _check_legacy_fragments(t: TensorEntry, fragments: list[tuple[int, int, int,
         raise _Malformed(f"tensor {t.name!r}: fragments do not cover the tensor exactly once: {exc}") from None
     expected = [(r, s, e) for r, s, e in ((r, *owned_range(t, world_size, r)) for r in range(world_size)) if e > s]
     if sorted((r, s, e) for r, s, e, _ in fragments) != expected:
-        raise _Malformed(f"tensor {t.name!r}: fragments do not follow the {t.layout!r} layout for world size {world_size}")
+        raise _Malformed(f"tensor {t.name!r}: fragments do not follow the {t.layout!r} layout "
+                         f"for world size {world_size}")
 
 
 def _optimizer(value: Any) -> dict[str, Any]:

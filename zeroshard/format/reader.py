@@ -34,7 +34,8 @@ def chunk_bytes_for(location: Location) -> int:
     return DEFAULT_CHUNK_BYTES if location.local else REMOTE_CHUNK_BYTES
 
 
-def fragments_of(tensor: TensorEntry, world_size: int, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
+def fragments_of(tensor: TensorEntry, world_size: int, start: int = 0,
+                 end: int | None = None) -> list[tuple[int, int, int]]:
     """(rank, fragment start, fragment end) of every fragment holding elements of [start, end), in order."""
     end = tensor.numel if end is None else end
     if tensor.layout == "flat":
@@ -135,7 +136,8 @@ class CheckpointReader:
         # (tensor, rank) -> (hasher, next byte offset inside the fragment); absent when a read skipped bytes
         self._hashing: dict[tuple[str, int], tuple[object, int]] = {}
         self._unverified: set[tuple[str, int]] = set()
-        self._buffers = [bytearray(), bytearray()]  # reused by iter_range: allocating per tensor costs more than the copy
+        # reused by iter_range: allocating per tensor costs more than the copy
+        self._buffers = [bytearray(), bytearray()]
         self._turn = 0
         self._lent: list[tuple[RangeReader, int, int]] = []  # zero-copy views handed out, oldest first
         self.bytes_read = 0
@@ -149,7 +151,8 @@ class CheckpointReader:
             try:
                 if size != file.size:
                     problem = "truncated" if size < file.size else "longer than recorded"
-                    raise CheckpointError(reader.where, f"file is {problem}: {size} bytes, manifest records {file.size}")
+                    raise CheckpointError(reader.where,
+                                          f"file is {problem}: {size} bytes, manifest records {file.size}")
                 header, problems = read_rank_header(reader, file, self.manifest, size)
                 if problems:
                     raise CheckpointError(reader.where, problems[0])

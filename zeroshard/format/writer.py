@@ -12,8 +12,15 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from zeroshard.format.manifest import (FORMAT_NAME, FORMAT_VERSION, HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry,
-                                       rank_file_name)
+from zeroshard.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HASH_TABLE_NAME,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    rank_file_name,
+)
 from zeroshard.storage.location import Location
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 

@@ -12,8 +12,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from zeroshard.format import (TensorSpec, build_manifest, commit_checkpoint, prepare_output_folder, rank_contents,
-                              write_rank_file)
+from zeroshard.format import (
+    TensorSpec,
+    build_manifest,
+    commit_checkpoint,
+    prepare_output_folder,
+    rank_contents,
+    write_rank_file,
+)
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.training_state import optimizer_key
 from zeroshard.interop.imported import Imported

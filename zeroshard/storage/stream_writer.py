@@ -15,7 +15,6 @@ from zeroshard.storage.hashing import SegmentHasher
 from zeroshard.storage.location import AtomicWriter, Location
 from zeroshard.storage.safetensors_header import build_header
 
-
 SMALL_WRITE_BYTES = 64 * 1024
 GATHER_BYTES = 1024 * 1024
 
@@ -51,7 +50,8 @@ class SafetensorsStreamWriter:
         """Append the next bytes of tensor data (may span tensor boundaries)."""
         view = memoryview(data).cast("B")
         if self._hasher.offset + len(view) > self.size:
-            raise StorageError(self.where, f"writer bug: {self._hasher.offset + len(view)} bytes written into a {self.size}-byte file")
+            raise StorageError(self.where, f"writer bug: {self._hasher.offset + len(view)} bytes written "
+                                           f"into a {self.size}-byte file")
         self._write(view)
 
     def segment_hash(self, name: str) -> str:

@@ -16,15 +16,23 @@ from dataclasses import dataclass
 from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
+from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
+from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.transfer import FixedPlans, Job, auto_workers, cast_bytes, plan_output, run_transfer, split_output
-from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
+from zeroshard.toolkit.transfer import (
+    FixedPlans,
+    Job,
+    auto_workers,
+    cast_bytes,
+    plan_output,
+    run_transfer,
+    split_output,
+)
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -107,7 +115,8 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
         folder = Location(out, storage_options)
         shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
         count = len(shards)
-        names = [HF_SINGLE_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        names = ([HF_SINGLE_NAME] if count == 1
+                 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
 
 
@@ -176,6 +185,7 @@ def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[Ou
     index = None
     if len(names) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-        index = (HF_INDEX_NAME, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+        index_json = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        index = (HF_INDEX_NAME, index_json.encode())
     stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
     output.commit(names, index, uncommit=[HF_INDEX_NAME], stale=lambda n: bool(stale.match(n)))

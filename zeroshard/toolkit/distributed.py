@@ -28,8 +28,18 @@ from zeroshard.format import FileEntry, RankFileResult, build_manifest, open_che
 from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.transfer import (FixedPlans, Job, RankFilePlans, Task, commit, discard, plan_output, run_transfer,
-                                        split_output, split_tasks)
+from zeroshard.toolkit.transfer import (
+    FixedPlans,
+    Job,
+    RankFilePlans,
+    Task,
+    commit,
+    discard,
+    plan_output,
+    run_transfer,
+    split_output,
+    split_tasks,
+)
 
 
 def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool = False,
@@ -81,7 +91,8 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
 
 
 def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None = None, dtype: str | None = None,
-                            overwrite: bool = False, storage_options: dict | None = None, workers: int = 1) -> list[str]:
+                            overwrite: bool = False, storage_options: dict | None = None,
+                            workers: int = 1) -> list[str]:
     """Collective: every process calls it; rank 0 plans and creates the outputs, all fill them."""
     import torch.distributed as dist
 
@@ -99,7 +110,8 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
              for name, shard in zip(names, shards)]
 
     def create() -> tuple[str, dict[int, str]]:
-        prepared.append(single.prepare(folder, names, single_file, overwrite, [Location(ckpt, storage_options), source]))
+        prepared.append(single.prepare(folder, names, single_file, overwrite,
+                                       [Location(ckpt, storage_options), source]))
         stage = prepared[0].stage if prepared[0] else folder
         outputs = []
         try:

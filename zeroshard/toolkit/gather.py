@@ -120,7 +120,8 @@ def check_input(reader: "CheckpointReader", rank: int, whole: memoryview, names)
     for name in names:
         entry = entries[name]
         if name in recorded and hash_bytes(whole[entry.begin:entry.end]) != recorded[name]:
-            raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
+            raise CheckpointError(reader.where(rank),
+                                  f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
     if len(whole) <= WHOLE_HASH_BYTES:
         raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")
 

@@ -62,9 +62,11 @@ def format_summary(info: dict[str, Any]) -> str:
     lines = [
         f"checkpoint   {info['location']}",
         f"format       zeroshard {info['format_version']}  (id {info['checkpoint_id'][:12]}, {info['created_by']})",
-        f"world size   {info['world_size']}    ZeRO stage {info['zero_stage'] if info['zero_stage'] is not None else '-'}"
+        f"world size   {info['world_size']}    "
+        f"ZeRO stage {info['zero_stage'] if info['zero_stage'] is not None else '-'}"
         f"    step {info['step'] if info['step'] is not None else '-'}    tag {info['tag'] or '-'}",
-        f"parameters   {info['parameters']:,} in {info['parameter_tensors']} tensors ({info['tensors']} tensors in all)",
+        f"parameters   {info['parameters']:,} in {info['parameter_tensors']} tensors "
+        f"({info['tensors']} tensors in all)",
     ]
     if info["dtypes"]:
         lines.append("dtypes       " + ", ".join(f"{k} {v}" for k, v in info["dtypes"].items()))
@@ -73,7 +75,8 @@ def format_summary(info: dict[str, Any]) -> str:
                      + f"  ({_human(info['bytes_by_role'][role])})")
     if info["optimizer"]:
         o = info["optimizer"]
-        lines.append(f"optimizer    {o['class']}, {o['param_groups']} param group(s), state: {', '.join(o['states']) or '-'}")
+        lines.append(f"optimizer    {o['class']}, {o['param_groups']} param group(s), "
+                     f"state: {', '.join(o['states']) or '-'}")
     if info["aliases"]:
         lines.append("tied         " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
     sizes = [f["bytes"] for f in info["files"]]

@@ -9,7 +9,8 @@ most min(W, 2 x tensors + 3) runs) and gives, per rank, the exact header bytes a
 writer puts there, the file size and every tensor's byte range as arrays indexed by tensor.
 
 Used by verify (a header is checked with one comparison) and by the packed copy of many small
-files (zeroshard.toolkit.packed), which plans and writes 1,000 rank files at numpy speed. No numpy here: verify starts faster without it.
+files (zeroshard.toolkit.packed), which plans and writes 1,000 rank files at numpy speed. No
+numpy here: verify starts faster without it.
 """
 
 from __future__ import annotations

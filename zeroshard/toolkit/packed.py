@@ -58,7 +58,8 @@ def fits(job: "Job", planner: "RankFilePlans") -> bool:
         return False
     if max(f.size for f in job.manifest.files) > PACK_INPUT_BYTES:
         return False
-    if not (Location(job.source_url, job.storage_options).local and Location(job.target_url, job.storage_options).local):
+    source, target = Location(job.source_url, job.storage_options), Location(job.target_url, job.storage_options)
+    if not (source.local and target.local):
         return False
     out = _cached(planner.tensors, planner.world_size, planner.checkpoint_id, FORMAT_VERSION, True)
     return max(out.file_size(run.end - 1) for run in out.runs) <= PACK_FILE_BYTES

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import resolve_checkpoint
 from zeroshard.format.folder import read_manifest_bytes
-from zeroshard.format.manifest import HASH_TABLE_NAME, MANIFEST_NAME, FileEntry, Manifest, is_rank_file_name, parse_manifest
+from zeroshard.format.manifest import (
+    HASH_TABLE_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    is_rank_file_name,
+    parse_manifest,
+)
 from zeroshard.format.reader import chunk_bytes_for, read_hash_table, read_rank_header
 from zeroshard.format.signature import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, check_signature
 from zeroshard.storage.hashing import SegmentHasher, hash_bytes, xxh3_int
@@ -117,7 +124,8 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
             report.problems.append(f"{where}: signs other files than the manifest lists")
         for name, digest in report.sha256.items():
             if signed.get(name) != digest:
-                report.problems.append(f"{location.url_of(name)}: SHA-256 differs from the signed one (changed after signing)")
+                report.problems.append(f"{location.url_of(name)}: SHA-256 differs from the signed one "
+                                       "(changed after signing)")
         report.signed = not report.problems
     return report
 
@@ -173,7 +181,8 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
     when anything does not or cannot be checked this way (a link, another size, a header
     composed otherwise, a hash mismatch): _check_file then checks it again and says what."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # links are refused, as RangeReader does
+        # links are refused, as RangeReader does
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -204,7 +213,8 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
 def _fragments_hold(view: memoryview, file: FileEntry, manifest: Manifest, layouts: RankLayouts, start: int) -> bool:
     """Every fragment's data against its recorded hash (the file's table, or a 1.0 manifest's)."""
     run = layouts.rank_layout(file.rank)
-    ranges = [(layouts.tensors[i].name, start + b, start + b + n) for i, b, n in zip(run.tensors, run.begin, run.nbytes)]
+    ranges = [(layouts.tensors[i].name, start + b, start + b + n)
+              for i, b, n in zip(run.tensors, run.begin, run.nbytes)]
     if manifest.legacy_hashes is None:
         table = view[start + run.table_begin:start + run.table_begin + 8 * len(ranges)]
         recorded = [int.from_bytes(table[8 * k:8 * k + 8], "little") for k in range(len(ranges))]
