@@ -69,10 +69,14 @@ def save_positions(rank: int, world: int, path: str, fail_rank: int | None = Non
 
 
 def load_positions(rank: int, world: int, path: str) -> dict[str, Any]:
+    import warnings
+
     engine = _engine(seed=5)
     shared, mine = Position(0), Position(-1, scope="rank")
-    zeroshard.Checkpointer(engine, shared=shared, mine=mine).load(path)
-    return {"shared": shared.value, "mine": mine.value}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zeroshard.Checkpointer(engine, shared=shared, mine=mine).load(path)
+    return {"shared": shared.value, "mine": mine.value, "warnings": [str(w.message) for w in caught]}
 
 
 def test_stateful_objects_come_back_global_everywhere_and_per_rank_only_at_the_same_world(tmp_path):
@@ -83,6 +87,9 @@ def test_stateful_objects_come_back_global_everywhere_and_per_rank_only_at_the_s
     other = run_ranks(load_positions, 3, timeout=120, path=str(tmp_path / "ck" / "t"))
     assert [other[r]["shared"] for r in range(3)] == [7, 7, 7]
     assert [other[r]["mine"] for r in range(3)] == [-1, -1, -1]  # per-rank state means nothing at world 3
+    assert any("per-rank state of 'mine' not restored" in w for w in other[0]["warnings"])  # and rank 0 says so
+    assert not any("not restored" in w for r in (1, 2) for w in other[r]["warnings"])
+    assert not any("not restored" in w for r in range(2) for w in same[r]["warnings"])
 
     manifest = json.loads((tmp_path / "ck" / "t" / "zeroshard.json").read_text())
     assert manifest["extra"]["stateful"]["shared"]["value"] == 7

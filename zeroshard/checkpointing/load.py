@@ -19,6 +19,7 @@ needed file's header and size) is checked first.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -94,6 +95,12 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     agree(error, group, action=ACTION)
     assert loaded is not None and manifest is not None
     engine.restore(loaded, strict=False, adopt=True)
+    skipped = [k for k, o in (stateful or {}).items() if scope_of(o) == "rank" and k != "rng"]
+    if skipped and manifest.world_size != target.world_size and target.rank == 0:
+        # RNG streams are expected to restart at another world size; a data position is not
+        warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
+                      f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",
+                      stacklevel=3)
     error = None
     try:
         for key, obj in (stateful or {}).items():
