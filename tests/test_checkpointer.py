@@ -267,3 +267,26 @@ def test_a_flipped_byte_is_caught_by_a_load_at_any_world_size(tmp_path, world):
     result = run_ranks(load_anywhere, world, timeout=120, path=str(tmp_path / "ck" / "t"))
     assert all(r != "loaded" for r in result), result
     assert any("0.weight" in r and "hash mismatch" in r for r in result), result
+
+
+@pytest.mark.parametrize("field, value", [
+    (("extra", "engine", "global_steps"), {"not": "a number"}),
+    (("extra", "rng", "0", "python"), 5),
+    (("optimizer", "param_groups"), "not a list"),
+])
+def test_hostile_training_fields_fail_the_load_on_every_rank(tmp_path, field, value):
+    """Whatever a manifest's training fields hold, every rank raises a ZeroshardError: none is
+    left waiting in a collective while another died of a TypeError."""
+    shutil.copytree(LEGACY, tmp_path / "ck")
+    manifest = tmp_path / "ck" / "step-2" / "zeroshard.json"
+    doc = json.loads(manifest.read_text())
+    node = doc
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = value
+    manifest.write_text(json.dumps(doc))
+    result = run_ranks(load_anywhere, 2, timeout=120, path=str(tmp_path / "ck"))
+    assert all(r.split(":")[0] in ("CheckpointError", "OtherRanksFailedError") for r in result), result
+    assert all("partly overwritten" not in r for r in result), result  # refused before a byte was read
+    assert any(r.startswith("CheckpointError") and "step-2/zeroshard.json" in r and "malformed" in r
+               for r in result), result

@@ -31,7 +31,7 @@ from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
-from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
 from zeroshard.format.training_state import global_stateful, legacy_rng_key, rank_state_key
 from zeroshard.storage.safetensors_header import torch_dtype
@@ -73,20 +73,24 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     manifest: Manifest | None = None
     error = None
     reading = False
+    where = path
     try:
         location, manifest = open_checkpoint(path, storage_options)
+        where = location.url
+        names = _check_names({i.name: tuple(i.shape) for i in target.params},
+                             {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"}, where, strict)
+        fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
+        if manifest.world_size == target.world_size:
+            legacy_rng_json(manifest, target.rank, location.url_of(MANIFEST_NAME))  # checked before reading
         # at another world size this rank reads parts of saved fragments: hash the rest too
         with CheckpointReader(location, manifest, complete_fragments=True) as reader:
-            names = _check_names({i.name: tuple(i.shape) for i in target.params},
-                                 {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"},
-                                 location.url, strict)
             open_needed_files(reader, manifest, target, names)
             reading = True
-            loaded = read_engine_state(target, manifest, reader, names, load_optimizer_states=load_optimizer_states)
+            loaded = read_engine_state(fields, manifest, reader, names, load_optimizer_states=load_optimizer_states)
             if manifest.world_size == target.world_size:
                 rank_states = read_rank_states(manifest, reader, target.rank)
-    except (ZeroshardError, OSError, ValueError) as exc:
-        error = exc
+    except Exception as exc:  # whatever it is, every rank hears of it (nobody hangs in a collective)
+        error = exc if isinstance(exc, ZeroshardError) else CheckpointError(where, f"{type(exc).__name__}: {exc}")
         if reading:
             where = exc.where if isinstance(exc, CheckpointError) else path
             problem = exc.problem if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
@@ -147,18 +151,43 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
     own = {b.name: b for b in target.buffers}
     buffers = tuple(dataclasses.replace(own[n], tensor=reader.read_flat(e).reshape(e.shape))
                     for n, e in manifest.tensors.items() if e.role == "buffer" and n in own)
-    saved = manifest.extra.get("engine") or {}
-    counters = Counters(*(int(saved.get(k, 0)) for k in ("global_steps", "micro_steps", "skipped_steps"))) \
-        if saved else None
-    return dataclasses.replace(target, params=tuple(params), buffers=buffers, counters=counters,
-                               loss_scaler=saved.get("loss_scaler") if saved else None,
-                               param_groups=_param_groups(target, manifest) if load_optimizer_states else None)
+    return dataclasses.replace(target, params=tuple(params), buffers=buffers)
+
+
+def training_fields(target: EngineState, manifest: Manifest, where: str, load_optimizer_states: bool) -> EngineState:
+    """`target` with the counters, loss scaler and param groups the manifest's JSON holds (§9.2),
+    checked for type before any tensor is read: a malformed field is one CheckpointError."""
+    try:
+        saved = manifest.extra.get("engine") or {}
+        counters = loss_scaler = None
+        if saved:
+            counters = Counters(*(_count(saved.get(k, 0), k)
+                                  for k in ("global_steps", "micro_steps", "skipped_steps")))
+            scaler = saved.get("loss_scaler")
+            if scaler is not None:
+                loss_scaler = {"scale": float(scaler["scale"]),
+                               "good_steps": _count(scaler["good_steps"], "good_steps"),
+                               "hysteresis_left": _count(scaler["hysteresis_left"], "hysteresis_left")}
+        groups = _param_groups(target, manifest) if load_optimizer_states else None
+    except Exception as exc:
+        problem = f"malformed training state in the manifest ({type(exc).__name__}: {exc})"
+        raise CheckpointError(where, problem) from None
+    return dataclasses.replace(target, counters=counters, loss_scaler=loss_scaler, param_groups=groups)
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} is {value!r}, not a count")
+    return value
 
 
 def _param_groups(target: EngineState, manifest: Manifest) -> tuple[ParamGroup, ...] | None:
     """Hyperparameters come back only when the groups hold the same parameters (a strict=False
     partial load keeps the optimizer's own)."""
     groups = (manifest.optimizer or {}).get("param_groups") or []
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params", []), list)
+                                               for g in groups):
+        raise ValueError("optimizer.param_groups must be a list of objects with a `params` list")
     if [list(g.get("params") or []) for g in groups] != [list(g.params) for g in target.param_groups or ()]:
         return None
     return tuple(ParamGroup(tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in groups)
@@ -213,24 +242,31 @@ def read_rank_states(manifest: Manifest, reader: CheckpointReader, rank: int) ->
     if entry is not None:
         blob = reader.read_flat(entry).numpy().tobytes()
         return decode_rank_state(blob, f"{reader.location.url}: {entry.name}")
-    return _legacy_rng(manifest, reader, rank)
-
-
-def _legacy_rng(manifest: Manifest, reader: CheckpointReader, rank: int) -> dict[str, Any]:
-    """Checkpoints from before rank-state blobs: torch RNG tensors plus Python/NumPy in extra.rng."""
-    rng: dict[str, Any] = {}
+    rng = legacy_rng_json(manifest, rank, reader.location.url)
     for device, key in (("cpu", "torch"), ("cuda", "cuda")):
-        entry = manifest.tensors.get(legacy_rng_key(rank, device))
-        if entry is not None:
-            rng[key] = reader.read_flat(entry)
-    saved = (manifest.extra.get("rng") or {}).get(str(rank))
-    if saved:
-        version, internal, gauss = saved["python"]
-        rng["python"] = {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
-        kind, keys, pos, has_gauss, cached = saved["numpy"]
-        rng["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.array(keys, dtype=np.int64)), "pos": pos,
-                        "has_gauss": has_gauss, "cached_gaussian": cached}
+        tensor = manifest.tensors.get(legacy_rng_key(rank, device))
+        if tensor is not None:
+            rng[key] = reader.read_flat(tensor)
     return {"rng": rng} if rng else {}
+
+
+def legacy_rng_json(manifest: Manifest, rank: int, where: str) -> dict[str, Any]:
+    """Checkpoints from before rank-state blobs kept Python's and NumPy's RNG states per rank in
+    extra.rng (their torch states are `rng/rank-NNNNN/{cpu,cuda}` tensors)."""
+    saved = (manifest.extra.get("rng") or {}).get(str(rank))
+    if not saved:
+        return {}
+    try:
+        version, internal, gauss = saved["python"]
+        kind, keys, pos, has_gauss, cached = saved["numpy"]
+        return {"python": {"version": _count(version, "version"),
+                           "state": torch.tensor([_count(v, "state") for v in internal], dtype=torch.int64),
+                           "gauss": None if gauss is None else float(gauss)},
+                "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.array(keys, dtype=np.int64)),
+                          "pos": _count(pos, "pos"), "has_gauss": _count(has_gauss, "has_gauss"),
+                          "cached_gaussian": float(cached)}}
+    except Exception as exc:
+        raise CheckpointError(where, f"malformed extra.rng of rank {rank} ({type(exc).__name__}: {exc})") from None
 
 
 def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
@@ -258,8 +294,8 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
                 source = by_name[name]
                 value = _read_source(folder, readers, source, 0, int(np.prod(source.shape))).reshape(source.shape)
                 buffers.append(dataclasses.replace(buf, tensor=value))
-    except (ZeroshardError, OSError, ValueError) as exc:
-        error = exc
+    except Exception as exc:  # whatever it is, every rank hears of it
+        error = exc if isinstance(exc, ZeroshardError) else CheckpointError(path, f"{type(exc).__name__}: {exc}")
     finally:
         for reader in readers.values():
             reader.close()

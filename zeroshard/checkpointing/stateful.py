@@ -158,20 +158,21 @@ def decode_rank_state(blob: bytes, where: str) -> dict[str, Any]:
     try:
         tensors = load(blob)
         tree = json.loads(bytes(tensors.pop(JSON_TENSOR).numpy()).decode())
-    except Exception as exc:  # any malformation of the blob: one message
+        if not isinstance(tree, dict):
+            raise ValueError("its JSON is not an object")
+        return {str(key): _resolve(state, tensors) for key, state in tree.items()}
+    except Exception as exc:  # any malformation of the blob (absurd nesting included): one message
         raise ValueError(f"{where}: malformed rank-state blob ({type(exc).__name__}: {exc})") from None
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {"__tensor__"}:
-                if value["__tensor__"] not in tensors:
-                    raise ValueError(f"{where}: rank-state names a missing tensor {value['__tensor__']!r}")
-                return tensors[value["__tensor__"]]
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        return value
 
-    if not isinstance(tree, dict):
-        raise ValueError(f"{where}: malformed rank-state blob (its JSON is not an object)")
-    return {key: walk(state) for key, state in tree.items()}
+def _resolve(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The JSON tree with each {"__tensor__": name} replaced by that tensor."""
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            if value["__tensor__"] not in tensors:
+                raise ValueError(f"names a missing tensor {value['__tensor__']!r}")
+            return tensors[value["__tensor__"]]
+        return {k: _resolve(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, tensors) for v in value]
+    return value
