@@ -28,7 +28,7 @@ import torch
 from zeroshard.agree import agree
 from zeroshard.checkpointing.stateful import decode_rank_state, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
-from zeroshard.errors import CheckpointError, ZeroshardError
+from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
@@ -80,22 +80,18 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         names = _check_names({i.name: tuple(i.shape) for i in target.params},
                              {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"}, where, strict)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
-        if manifest.world_size == target.world_size:
-            legacy_rng_json(manifest, target.rank, location.url_of(MANIFEST_NAME))  # checked before reading
+        same_world = manifest.world_size == target.world_size
+        # checked before reading, like every manifest field
+        legacy_rng = legacy_rng_json(manifest, target.rank, location.url_of(MANIFEST_NAME)) if same_world else {}
         # at another world size this rank reads parts of saved fragments: hash the rest too
         with CheckpointReader(location, manifest, complete_fragments=True) as reader:
             open_needed_files(reader, manifest, target, names)
             reading = True
             loaded = read_engine_state(fields, manifest, reader, names, load_optimizer_states=load_optimizer_states)
-            if manifest.world_size == target.world_size:
-                rank_states = read_rank_states(manifest, reader, target.rank)
+            if same_world:
+                rank_states = read_rank_states(manifest, reader, target.rank, legacy_rng)
     except Exception as exc:  # whatever it is, every rank hears of it (nobody hangs in a collective)
-        error = exc if isinstance(exc, ZeroshardError) else CheckpointError(where, f"{type(exc).__name__}: {exc}")
-        if reading:
-            where = exc.where if isinstance(exc, CheckpointError) else path
-            problem = exc.problem if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-            error = CheckpointError(where, f"{problem}; this rank's engine state is now partly overwritten: "
-                                           "load a good checkpoint before training on")
+        error = _load_error(exc, where, overwritten=reading)
     agree(error, group, action=ACTION)
     assert loaded is not None and manifest is not None
     engine.restore(loaded, strict=False, adopt=True)
@@ -115,6 +111,20 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         error = CheckpointError(location.url, f"restoring {key!r} failed: {type(exc).__name__}: {exc}")
     agree(error, group, action=ACTION)
     return manifest.client_state
+
+
+def _load_error(exc: Exception, where: str, overwritten: bool) -> ZeroshardError:
+    """A load failure as one error every rank can hear: zeroshard's own as it is, anything else
+    named by `where`; after reading began, it also says the engine is now partly overwritten."""
+    if isinstance(exc, ZeroshardError) and not overwritten:
+        return exc
+    if isinstance(exc, (CheckpointError, StorageError)):
+        where, problem = exc.where, exc.problem
+    else:
+        problem = str(exc) if isinstance(exc, ZeroshardError) else f"{type(exc).__name__}: {exc}"
+    if overwritten:
+        problem += "; this rank's engine state is now partly overwritten: load a good checkpoint before training on"
+    return CheckpointError(where, problem)
 
 
 def open_needed_files(reader: CheckpointReader, manifest: Manifest, target: EngineState, names: list[str]) -> None:
@@ -236,13 +246,15 @@ def _optimizer_state(reader: CheckpointReader, entries: list[TensorEntry], scala
     return state
 
 
-def read_rank_states(manifest: Manifest, reader: CheckpointReader, rank: int) -> dict[str, Any]:
-    """Rank `rank`'s per-rank Stateful states by key (same world size only)."""
+def read_rank_states(manifest: Manifest, reader: CheckpointReader, rank: int,
+                     legacy_rng: dict[str, Any]) -> dict[str, Any]:
+    """Rank `rank`'s per-rank Stateful states by key (same world size only). `legacy_rng`:
+    legacy_rng_json's result, for checkpoints without rank-state blobs."""
     entry = manifest.tensors.get(rank_state_key(rank))
     if entry is not None:
         blob = reader.read_flat(entry).numpy().tobytes()
         return decode_rank_state(blob, f"{reader.location.url}: {entry.name}")
-    rng = legacy_rng_json(manifest, rank, reader.location.url)
+    rng = dict(legacy_rng)
     for device, key in (("cpu", "torch"), ("cuda", "cuda")):
         tensor = manifest.tensors.get(legacy_rng_key(rank, device))
         if tensor is not None:
@@ -295,7 +307,7 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
                 value = _read_source(folder, readers, source, 0, int(np.prod(source.shape))).reshape(source.shape)
                 buffers.append(dataclasses.replace(buf, tensor=value))
     except Exception as exc:  # whatever it is, every rank hears of it
-        error = exc if isinstance(exc, ZeroshardError) else CheckpointError(path, f"{type(exc).__name__}: {exc}")
+        error = _load_error(exc, path, overwritten=False)
     finally:
         for reader in readers.values():
             reader.close()
