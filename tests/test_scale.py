@@ -343,13 +343,13 @@ def test_deep_verify_checks_the_fragment_table_itself(tmp_path):
 KILLED_IN_PACKED_PATH = (
     "import os, signal, sys\n"
     "import zeroshard.toolkit.packed as packed\n"
-    "real = packed._read_whole\n"
+    "real = packed.read_regular_file\n"
     "seen = []\n"
     "def dying(path, into):\n"
     "    seen.append(path)\n"
     "    if len(seen) > 20: os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return real(path, into)\n"
-    "packed._read_whole = dying\n"
+    "packed.read_regular_file = dying\n"
     "from zeroshard.cli import main\n"
     "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
     "main()\n")

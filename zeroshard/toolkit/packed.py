@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import uuid
 from typing import TYPE_CHECKING, Callable
 
@@ -35,7 +34,7 @@ import xxhash
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
-from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
+from zeroshard.storage.location import TEMP_PREFIX, Location, read_regular_file, storage_errors
 from zeroshard.storage.owner import owner_tag
 from zeroshard.toolkit.layouts import RankLayouts
 
@@ -178,7 +177,8 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
     data_at = np.empty(len(files), dtype=np.int64)  # where each input's data section starts in in_buf
     for i, (q, file, base) in enumerate(zip(needed.tolist(), files, in_base.tolist())):
         data = in_view[base:base + file.size]
-        _read_whole(source._full(file.name), data)
+        if not read_regular_file(source._full(file.name), data):
+            raise _Fallback
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
             _explain_mismatch(source, manifest, q)
         header = source_layouts.header(q)
@@ -239,28 +239,6 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
     if progress is not None:
         progress(sum(f.size for f in files))
     return finished
-
-
-def _read_whole(path: str, into: memoryview) -> None:
-    """Read a regular file of exactly len(into) bytes, refusing links; _Fallback otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        raise _Fallback from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != len(into):
-            raise _Fallback
-        got = 0
-        while got < len(into):
-            n = os.readv(fd, [into[got:]])
-            if not n:
-                raise _Fallback
-            got += n
-    except OSError:
-        raise _Fallback from None
-    finally:
-        os.close(fd)
 
 
 def _write_new(path: str, data: memoryview) -> None:

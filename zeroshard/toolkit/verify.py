@@ -18,8 +18,6 @@ off, the file is checked again the slow way, which names the tensor or header fi
 from __future__ import annotations
 
 import hashlib
-import os
-import stat
 from dataclasses import dataclass, field
 
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
@@ -36,7 +34,7 @@ from zeroshard.format.manifest import (
 from zeroshard.format.reader import chunk_bytes_for, read_hash_table, read_rank_header
 from zeroshard.format.signature import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, check_signature
 from zeroshard.storage.hashing import SegmentHasher, hash_bytes, xxh3_int
-from zeroshard.storage.location import Location
+from zeroshard.storage.location import Location, read_regular_file
 from zeroshard.storage.safetensors_header import Header
 from zeroshard.toolkit.layouts import RankLayouts, layouts_of
 from zeroshard.toolkit.progress import byte_bar
@@ -180,26 +178,9 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
     one hash (every byte). Returns its SHA-256 ('' unless asked) when everything holds, None
     when anything does not or cannot be checked this way (a link, another size, a header
     composed otherwise, a hash mismatch): _check_file then checks it again and says what."""
-    try:
-        # links are refused, as RangeReader does
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    view = memoryview(buffer)[:file.size]
+    if not read_regular_file(path, view):
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != file.size:
-            return None
-        view = memoryview(buffer)[:file.size]
-        got = 0
-        while got < file.size:
-            n = os.readv(fd, [view[got:]])
-            if not n:
-                return None
-            got += n
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     header = layouts.header(file.rank)
     if file.size != layouts.file_size(file.rank, header) or view[:len(header)] != header:
         return None
