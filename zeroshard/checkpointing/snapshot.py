@@ -57,11 +57,12 @@ class BackgroundSave:
         self._written: set[str] = set()
         self._detached = False
         # copied now: what a forward may change, and what is not in host memory
-        now = [name for name, held in contents.held.items()
-               if name not in contents.stepped or held.tensor.device.type != "cpu"]
+        live = {name for name, held in contents.held.items()
+                if name in contents.stepped and held.tensor.device.type == "cpu"}
+        now = [name for name in contents.held if name not in live]
         for name, copy in zip(now, eager.take([contents.held[n].tensor for n in now])):
             contents.held[name] = Held(copy, contents.held[name].start)
-        self._live = [name for name in contents.held if name not in set(now)]
+        self._live = [name for name in contents.held if name in live]
 
     def fill(self, spec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
         """The writer's callback (background thread): one tensor at a time, under the lock."""
