@@ -33,7 +33,7 @@ from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
-from zeroshard.format.training_state import global_stateful, legacy_rng_key, rank_state_key
+from zeroshard.format.training_state import ENGINE_COUNTERS, global_stateful, legacy_rng_key, rank_state_key
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -171,8 +171,7 @@ def training_fields(target: EngineState, manifest: Manifest, where: str, load_op
         saved = manifest.extra.get("engine") or {}
         counters = loss_scaler = None
         if saved:
-            counters = Counters(*(_count(saved.get(k, 0), k)
-                                  for k in ("global_steps", "micro_steps", "skipped_steps")))
+            counters = Counters(*(_count(saved.get(k, 0), k) for k in ENGINE_COUNTERS))
             scaler = saved.get("loss_scaler")
             if scaler is not None:
                 loss_scaler = {"scale": float(scaler["scale"]),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 RANK_STATE_PREFIX = "rank-state/"
-ENGINE_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+ENGINE_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")  # extra.engine, in Counters' order
 
 
 def optimizer_key(state: str, param: str) -> str:
