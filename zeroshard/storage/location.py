@@ -20,16 +20,16 @@ import os
 import posixpath
 import stat
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Mapping
-
-import fsspec
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from zeroshard.errors import StorageError
-from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3
 from zeroshard.storage.owner import owner_tag
-from zeroshard.storage.read_ahead import BlockReader
 from zeroshard.storage.remote_io import BlockBudget, split_options
+
+if TYPE_CHECKING:  # remote-only machinery is imported where used: a local command starts faster
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from zeroshard.storage.read_ahead import BlockReader
 
 TEMP_PREFIX = ".zeroshard-tmp-"
 
@@ -88,17 +88,51 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return options
 
 
+def local_path(url: str) -> str | None:
+    """The absolute path of a plain local `url` (a path, or file://path), as fsspec's local
+    filesystem would resolve it; None for anything else (s3://, chained URLs, other protocols),
+    which goes through fsspec."""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    elif "://" in url or "::" in url or url.startswith("file:"):
+        return None
+    if url.startswith("~"):
+        url = os.path.expanduser(url)
+    elif not url.startswith("/"):
+        url = f"{os.getcwd()}/{'' if url == '.' else url.removeprefix('./')}"
+    return url.rstrip("/") or "/"
+
+
 class Location:
-    """A folder that may not exist yet, on any fsspec filesystem."""
+    """A folder that may not exist yet, on any fsspec filesystem.
+
+    A plain local folder is served by os calls and does not import fsspec (about a third of a
+    short command's start-up); `fs` is made for it only when something asks for it.
+    """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
         self.remote_io, fs_options = split_options(self.storage_options)
-        with storage_errors(url):
-            self.fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
-        self.local = "file" in _protocols(self.fs)
+        path = None if fs_options else local_path(self.url)
+        if path is not None:
+            self._fs, self.path, self.local = None, path, True
+        else:
+            import fsspec
+
+            with storage_errors(url):
+                self._fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
+            self.local = "file" in _protocols(self._fs)
         self.read_budget = BlockBudget(self.remote_io.read_ahead)  # read-ahead held, across this folder's readers
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem (for a plain local folder, made on first use)."""
+        if self._fs is None:
+            import fsspec
+
+            self._fs = fsspec.filesystem("file")
+        return self._fs
 
     # ---- naming -------------------------------------------------------------------------
     def url_of(self, name: str = "") -> str:
@@ -110,7 +144,7 @@ class Location:
 
     def child(self, name: str) -> "Location":
         loc = Location.__new__(Location)
-        loc.url, loc.storage_options, loc.fs, loc.local = self.url_of(name), self.storage_options, self.fs, self.local
+        loc.url, loc.storage_options, loc._fs, loc.local = self.url_of(name), self.storage_options, self._fs, self.local
         loc.remote_io, loc.read_budget = self.remote_io, self.read_budget
         loc.path = self._full(name)
         return loc
@@ -118,23 +152,30 @@ class Location:
     # ---- queries ------------------------------------------------------------------------
     def exists(self, name: str = "") -> bool:
         with storage_errors(self.url_of(name)):
+            if self.local:
+                return os.path.lexists(self._full(name))
             return bool(self.fs.exists(self._full(name)))
 
     def isdir(self, name: str = "") -> bool:
         with storage_errors(self.url_of(name)):
+            if self.local:
+                return os.path.isdir(self._full(name))
             return bool(self.fs.isdir(self._full(name)))
 
     def size(self, name: str) -> int:
         with storage_errors(self.url_of(name)):
+            if self.local:
+                return os.stat(self._full(name)).st_size
             return int(self.fs.size(self._full(name)))
 
     def list(self) -> list[str]:
         """Names directly inside this folder; empty when it does not exist."""
         with storage_errors(self.url):
             try:
-                entries = (self.fs.ls(self.path, detail=False, refresh=True) if not self.local
-                           else self.fs.ls(self.path, detail=False))
-            except FileNotFoundError:
+                if self.local:
+                    return sorted(os.listdir(self.path))
+                entries = self.fs.ls(self.path, detail=False, refresh=True)
+            except (FileNotFoundError, NotADirectoryError):
                 return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
@@ -144,8 +185,14 @@ class Location:
         return self.local and os.path.islink(self._full(name))
 
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of `name` (None: from the beginning / to the end)."""
         with storage_errors(self.url_of(name)):
-            return self.fs.cat_file(self._full(name), start=start, end=end)
+            if not self.local:
+                return self.fs.cat_file(self._full(name), start=start, end=end)
+            with open(self._full(name), "rb") as file:
+                if start:
+                    file.seek(start)
+                return file.read() if end is None else file.read(max(0, end - (start or 0)))
 
     def open_reader(self, name: str, follow_links: bool = False, size: int | None = None) -> "RangeReader":
         """Ranged reads of `name`. A symbolic link is refused unless follow_links: files of a
@@ -228,7 +275,10 @@ class Location:
     def remove(self, name: str, recursive: bool = False) -> None:
         with storage_errors(self.url_of(name)):
             path = self._full(name)
-            if self.fs.exists(path):
+            if self.local and not recursive:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            elif self.fs.exists(path):
                 self.fs.rm(path, recursive=recursive)
 
 
@@ -266,6 +316,8 @@ class RangeReader:
                 self._fd = os.open(location._full(name), flags)
                 self._size = os.fstat(self._fd).st_size
         else:
+            from zeroshard.storage.read_ahead import BlockReader
+
             self._remote = BlockReader(location, name, location.remote_io, location.read_budget, size)
 
     def view(self, offset: int, length: int) -> memoryview | None:
@@ -355,7 +407,11 @@ class AtomicWriter:
         self._location, self._name, self._durable = location, name, durable
         self._file: Any = None
         self._temp: str | None = None
-        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "zeroshard-write") if write_behind else None
+        self._executor: ThreadPoolExecutor | None = None
+        if write_behind:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, "zeroshard-write")
         self._pending: Future | None = None
         self.bytes_written = 0
 
@@ -367,7 +423,10 @@ class AtomicWriter:
                 # the owner tag lets a later run tell a dead writer's leftover from a live one's
                 self._temp = loc._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
                 self._file = open(self._temp, "wb", buffering=0)
-            elif is_s3(loc.fs):  # parts upload concurrently; completed at commit, aborted on failure
+                return self
+            from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3
+
+            if is_s3(loc.fs):  # parts upload concurrently; completed at commit, aborted on failure
                 self._file = ConcurrentMultipartUpload(loc.fs, loc._full(self._name), loc.remote_io)
             else:
                 self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 
 
 def host_id() -> str:
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    return hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]  # the host name, as gethostname()
 
 
 def owner_tag() -> str:

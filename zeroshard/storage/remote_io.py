@@ -9,14 +9,15 @@ filesystems get a small shared thread pool.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from zeroshard.errors import ZeroshardError
+
+if TYPE_CHECKING:  # imported where used (remote folders only): a local command starts faster
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 MiB = 1024 * 1024
 S3_MIN_PART_BYTES = 5 * MiB  # S3's smallest part, except the last
@@ -104,6 +105,8 @@ _pool_lock = threading.Lock()
 
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
+    from concurrent.futures import ThreadPoolExecutor
+
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(32, thread_name_prefix="zeroshard-io")
@@ -117,5 +120,7 @@ def submit(fs: Any, method: str, *args: Any, **kwargs: Any) -> Future:
     otherwise the blocking method runs on the shared thread pool (cancel() stops it if not begun).
     """
     if getattr(fs, "async_impl", False) and hasattr(fs, f"_{method}"):
+        import asyncio  # only remote folders get here; a local command does not pay its import
+
         return asyncio.run_coroutine_threadsafe(getattr(fs, f"_{method}")(*args, **kwargs), fs.loop)
     return _thread_pool().submit(getattr(fs, method), *args, **kwargs)

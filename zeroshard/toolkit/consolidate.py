@@ -27,12 +27,12 @@ from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import (
     FixedPlans,
     Job,
-    auto_workers,
     cast_bytes,
     plan_output,
     run_transfer,
     split_output,
 )
+from zeroshard.toolkit.workers import auto_workers
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}

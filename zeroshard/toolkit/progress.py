@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
-from tqdm import tqdm
+from typing import Any
 
 
-def byte_bar(total: int, description: str, quiet: bool) -> tqdm:
+class _NoBar:
+    """What a quiet command gets: the calls a bar takes, doing nothing (and tqdm not imported)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def byte_bar(total: int, description: str, quiet: bool) -> Any:
+    """A tqdm byte bar, or with `quiet` one that shows nothing."""
+    if quiet:
+        return _NoBar()
+    from tqdm import tqdm
+
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=quiet, leave=False, dynamic_ncols=True)
+                leave=False, dynamic_ncols=True)

@@ -31,7 +31,8 @@ from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, RankFilePlans, auto_workers, commit, discard, run_transfer, split_tasks
+from zeroshard.toolkit.transfer import Job, RankFilePlans, commit, discard, run_transfer, split_tasks
+from zeroshard.toolkit.workers import auto_workers
 
 
 @dataclass

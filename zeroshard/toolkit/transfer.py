@@ -18,9 +18,7 @@ Outputs on S3 cannot be written out of order; those are streamed per file instea
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -32,9 +30,11 @@ from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
+from zeroshard.toolkit.output_hashes import InOrderHashes
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
+STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: each stays in the CPU's cache
 
 
 class OutTensor(NamedTuple):
@@ -164,6 +164,9 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
             for task in tasks:
                 results.update(run_task(job, task, progress))
             return results
+        import multiprocessing  # here: a one-process run does not pay for the import
+        from concurrent.futures import ProcessPoolExecutor
+
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
             futures = [pool.submit(run_task, job, task) for task in tasks]
@@ -216,6 +219,9 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
                 outputs[i].view[:len(plan.header)] = plan.header
             else:
                 outputs[i] = MappedOutput.attach(target, plan.name, job.temp_paths[i], plan.size)
+        # hashes taken during the copy, for whole rank files (others: none needed, or not ours)
+        taken = {i: InOrderHashes(plan.header, [(t.begin, t.begin + t.nbytes) for t in plan.tensors])
+                 for i, plan in plans.items() if plan.hash_table and task.tensors is None}
         # small local inputs: flat tensors copied as they are go through numpy (gather.py)
         vectorize = source.local and max(f.size for f in job.manifest.files) <= WINDOW_BYTES
         needed, flat = _pieces_by_input(job.manifest.world_size, plans, task, vectorize)
@@ -230,11 +236,12 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
                 if rank in spans:
                     gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
                 if rank in needed:
-                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress)
+                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress,
+                                     taken)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
-        return {i: _finish(plans[i], outputs[i]) for i in task.outputs}
+        return {i: _finish(plans[i], outputs[i], taken.get(i)) for i in task.outputs}
     except BaseException:
         if task.tensors is None:
             for out in outputs.values():
@@ -291,7 +298,8 @@ def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
 
 
 def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, list[Piece]],
-                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None) -> None:
+                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None,
+                     taken: dict[int, InOrderHashes]) -> None:
     """Read the needed fragments of one input file in file order, each front to back, hash-checked."""
     opened = reader.open_file(rank)
     entries = opened.header.entries
@@ -326,13 +334,18 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
             progress(size)
         return
     recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
-    _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress)
+    _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress, taken)
 
 
 def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[str, list[Piece]],
                   outputs: dict[int, MappedOutput], recorded: dict[str, str] | None,
-                  progress: Callable[[int], None] | None) -> None:
-    """Big or remote files: each fragment through windows of WINDOW_BYTES, released as they go."""
+                  progress: Callable[[int], None] | None, hashes: dict[int, InOrderHashes]) -> None:
+    """Big or remote files: each fragment through windows of WINDOW_BYTES, released as they go.
+
+    Each window is worked through in cache-sized steps: a step is hashed (the input check), then
+    written out and fed to its outputs' hashes while it is still in the CPU's cache, so every
+    input byte comes from memory once.
+    """
     entries = opened.header.entries
     tensors = reader.manifest.tensors
     window_buffer: memoryview | None = None
@@ -346,7 +359,9 @@ def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[s
             pieces.sort()
         length = entry.end - entry.begin
         window = max(size, WINDOW_BYTES // size * size)
-        hasher = new_hasher() if recorded is not None and length > window else None
+        step_bytes = max(size, STEP_BYTES // size * size)
+        hasher = new_hasher() if recorded is not None else None
+        first_piece = 0  # pieces before this one end before the current step (sorted by source offset)
         for w0 in range(0, length, window):
             wlen = min(window, length - w0)
             view = opened.reader.view(entry.begin + w0, wlen)
@@ -355,25 +370,33 @@ def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[s
                     window_buffer = memoryview(bytearray(min(window, max(wlen, 1 << 20))))
                 view = window_buffer[:wlen]
                 opened.reader.read_into(entry.begin + w0, view)
-            if hasher is not None:
-                hasher.update(view)
-            elif recorded is not None and hash_bytes(view) != recorded[name]:
-                raise _mismatch(reader, rank, name)
-            first, last = w0 // size, (w0 + wlen) // size
-            for src, index, dst, count, dtype in pieces:
-                lo, hi = max(src, first), min(src + count, last)
-                if lo >= hi:
-                    continue
-                data = view[(lo - first) * size:(hi - first) * size]
-                if dtype != tensor.dtype:
-                    data = cast_bytes(data, tensor.dtype, dtype)
-                at = dst + (lo - src) * DTYPE_SIZES[dtype]
-                out = outputs[index]
-                if len(data) >= PWRITE_BYTES:
-                    out.pwrite(data, at)
-                else:
-                    out.view[at:at + len(data)] = data
-                    out.wrote(len(data))
+            for s0 in range(0, wlen, step_bytes):
+                step = view[s0:s0 + step_bytes]
+                if hasher is not None:
+                    hasher.update(step)
+                first, last = (w0 + s0) // size, (w0 + s0 + len(step)) // size
+                while first_piece < len(pieces) and pieces[first_piece][0] + pieces[first_piece][3] <= first:
+                    first_piece += 1
+                for j in range(first_piece, len(pieces)):
+                    src, index, dst, count, dtype = pieces[j]
+                    if src >= last:
+                        break
+                    lo, hi = max(src, first), min(src + count, last)
+                    if lo >= hi:
+                        continue
+                    data = step[(lo - first) * size:(hi - first) * size]
+                    if dtype != tensor.dtype:
+                        data = cast_bytes(data, tensor.dtype, dtype)
+                    at = dst + (lo - src) * DTYPE_SIZES[dtype]
+                    out = outputs[index]
+                    if len(data) >= PWRITE_BYTES:
+                        out.pwrite(data, at)
+                    else:
+                        out.view[at:at + len(data)] = data
+                        out.wrote(len(data))
+                    if index in hashes:
+                        hashes[index].feed(at, data)
+                del step
             del view
             done += wlen
             at = entry.begin + w0
@@ -405,14 +428,18 @@ def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
     return memoryview(values.view(torch.uint8).numpy())
 
 
-def _finish(plan: OutputPlan, out: MappedOutput) -> Finished:
-    """For rank files: the fragment-hash table, and every hash, from one read of the file."""
+def _finish(plan: OutputPlan, out: MappedOutput, taken: InOrderHashes | None) -> Finished:
+    """For rank files: the fragment-hash table, and every hash: those the copy took in order
+    (output_hashes.py), the rest from a read of the finished file."""
     if not plan.hash_table:
         return Finished(plan.name, out.temp_path, plan.size)
-    hashes = [_hash_region(out, t.begin, t.begin + t.nbytes) for t in plan.tensors]
+    hashes = [(taken and taken.region_hash(i)) or _hash_region(out, t.begin, t.begin + t.nbytes)
+              for i, t in enumerate(plan.tensors)]
     table_begin = plan.size - 8 * len(plan.tensors)
-    out.view[table_begin:plan.size] = hash_table_bytes(hashes)
-    return Finished(plan.name, out.temp_path, plan.size, _hash_region(out, 0, plan.size),
+    table = hash_table_bytes(hashes)
+    out.view[table_begin:plan.size] = table
+    file_hash = (taken and taken.file_hash(table_begin, table)) or _hash_region(out, 0, plan.size)
+    return Finished(plan.name, out.temp_path, plan.size, file_hash,
                     {t.name: h for t, h in zip(plan.tensors, hashes)})
 
 
@@ -426,13 +453,6 @@ def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
         hasher.update(out.view[offset:min(offset + WINDOW_BYTES, end)])
         out.wrote(min(WINDOW_BYTES, end - offset))  # read pages count too: dropped every 64 MiB
     return hasher.hexdigest()
-
-
-def auto_workers(files: int, nbytes: int) -> int:
-    """--workers' default: every core (up to 8) for a job worth spreading, else this process alone
-    (starting a worker costs a few tenths of a second)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, 8) if files >= 64 or nbytes >= 256 * 2**20 else 1
 
 
 PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)

@@ -63,7 +63,7 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     """key: also check the signature (format.signature) made with it; sha256: also record each
     file's SHA-256 (for signing); deep: also check every fragment against its file's hash table
     (see the module's docstring). Every file is still read once, by one of `workers` processes
-    (None: zeroshard.toolkit.transfer.auto_workers)."""
+    (None: zeroshard.toolkit.workers.auto_workers)."""
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     location = resolve_checkpoint(Location(ckpt, storage_options))
@@ -91,7 +91,7 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     report.problems.extend(f"{location.url_of(f.name)}: missing" for f in manifest.files if f.name not in present)
     total = sum(f.size for f in files)
     if workers is None:
-        from zeroshard.toolkit.transfer import auto_workers
+        from zeroshard.toolkit.workers import auto_workers
 
         workers = auto_workers(0, total)  # by bytes: a small file costs less than a spawn
     with byte_bar(total, "verify", quiet) as bar:
