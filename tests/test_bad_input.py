@@ -291,3 +291,20 @@ def test_help_teaches(tmp_path):
     for command in ("shard", "consolidate", "reshard", "inspect", "verify"):
         code, output = run_cli(command, "--help")
         assert code == 0 and "--storage-option" in output and "--quiet" in output, command
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command,victim", [*((c, v) for c in ALL_READERS for v in (RANK1, "zeroshard.json")),
+                                            (("inspect",), "zeroshard.json")])  # inspect reads no rank file
+def test_fifo_in_place_of_a_file_is_refused_without_hanging(ckpt, command, victim):
+    """Opening a FIFO for reading blocks until a writer comes: a checkpoint file that is one
+    must be an error, not a command that never returns."""
+    import os
+
+    (ckpt / victim).unlink()
+    os.mkfifo(ckpt / victim)
+    code, output, out = run_reader(command, ckpt)
+    assert code in (1, 3) and "Traceback" not in output and victim in output, output
+    # a size check may see it first ("0 bytes"); otherwise opening it says what it is
+    assert "not a regular file (a FIFO)" in output or "truncated: 0 bytes" in output, output
+    assert not out.exists() or command[0] == "reshard" and not (out / "zeroshard.json").exists()

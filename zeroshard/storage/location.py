@@ -189,7 +189,8 @@ class Location:
         with storage_errors(self.url_of(name)):
             if not self.local:
                 return self.fs.cat_file(self._full(name), start=start, end=end)
-            with open(self._full(name), "rb") as file:
+            fd = open_regular_file(self._full(name), self.url_of(name), follow_links=True)
+            with os.fdopen(fd, "rb") as file:
                 if start:
                     file.seek(start)
                 return file.read() if end is None else file.read(max(0, end - (start or 0)))
@@ -311,9 +312,8 @@ class RangeReader:
             if not follow_links and os.path.islink(location._full(name)):
                 raise StorageError(self.where, "is a symbolic link; zeroshard reads a checkpoint's own files only, "
                                                "never a link to bytes elsewhere")
+            self._fd = open_regular_file(location._full(name), self.where, follow_links)
             with storage_errors(self.where):
-                flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW)  # no swap for a link after the check
-                self._fd = os.open(location._full(name), flags)
                 self._size = os.fstat(self._fd).st_size
         else:
             from zeroshard.storage.read_ahead import BlockReader
@@ -509,6 +509,25 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def open_regular_file(path: str, where: str, follow_links: bool) -> int:
+    """A read-only descriptor of the regular file at `path`. Opened non-blocking, so that a FIFO
+    (which would block until a writer comes) or a device is refused instead of hanging the
+    command; O_NOFOLLOW unless `follow_links`, so a link cannot be swapped in after a check."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    with storage_errors(where):
+        fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise StorageError(where, f"is not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_regular_file(path: str, into: memoryview) -> bool:

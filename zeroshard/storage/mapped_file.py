@@ -9,7 +9,8 @@ tiny tensors from becoming a syscall storm. The file is allocated in full first
 Like AtomicWriter, the file lives under a temp name in the target folder and appears under its
 own name only on commit(); several processes may attach to the same temp file and fill disjoint
 ranges (parallel workers). Pages are dropped from this process's mapping as they fill (the page
-cache keeps them, dirty, until written back), so resident memory stays bounded.
+cache keeps them, dirty, until written back), so resident memory stays bounded: by 64 MiB per
+thread filling outputs.
 """
 
 from __future__ import annotations
@@ -18,14 +19,25 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
 import uuid
 
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_tag
 
 RELEASE_EVERY_BYTES = 64 * 1024 * 1024
-_touched: set["MappedOutput"] = set()  # outputs with pages mapped in since the last release
-_touched_bytes = 0
+
+
+class _Residency(threading.local):
+    """Per thread (worker threads fill outputs side by side): the outputs with pages mapped in
+    since the last release, and how many bytes."""
+
+    def __init__(self) -> None:
+        self.touched: set[MappedOutput] = set()
+        self.nbytes = 0
+
+
+_residency = _Residency()
 
 
 class MappedOutput:
@@ -92,16 +104,16 @@ class MappedOutput:
                 data, offset = data[written:], offset + written
 
     def wrote(self, nbytes: int) -> None:
-        """Account for bytes just written (or read) through the map. The budget is this process's,
+        """Account for bytes just written (or read) through the map. The budget is this thread's,
         across all its outputs: past RELEASE_EVERY_BYTES, every output drops its mapped pages."""
-        global _touched_bytes
-        _touched.add(self)
-        _touched_bytes += nbytes
-        if _touched_bytes >= RELEASE_EVERY_BYTES:
-            for out in list(_touched):
+        budget = _residency
+        budget.touched.add(self)
+        budget.nbytes += nbytes
+        if budget.nbytes >= RELEASE_EVERY_BYTES:
+            for out in budget.touched:
                 out.release()
-            _touched.clear()
-            _touched_bytes = 0
+            budget.touched.clear()
+            budget.nbytes = 0
 
     def release(self) -> None:
         if self._map is not None:
@@ -112,7 +124,7 @@ class MappedOutput:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        _touched.discard(self)
+        _residency.touched.discard(self)
         self.view.release()
         self.view = memoryview(b"")
         if self._map is not None:

@@ -9,7 +9,7 @@ zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are ha
 are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
 outputs get their fragment hashes, hash table and file hash in one pass over each finished file.
 Work splits by output (whole files, or tensor ranges of one big file) into tasks that run in this
-process or in `workers` processes (spawned: no torch, no fork hazards).
+process or in `workers` threads (big files) or processes (zeroshard.toolkit.workers).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
 (zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_planned).
@@ -31,6 +31,7 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 from zeroshard.toolkit.output_hashes import InOrderHashes
+from zeroshard.toolkit.workers import worker_pool
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
@@ -155,7 +156,8 @@ class Job:
 
 def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
                  total_bytes: int = 0) -> dict[int, Finished]:
-    """Run `tasks` (here, or spread over `workers` spawned processes). Returns the outputs written
+    """Run `tasks` (here, or spread over `workers` threads or processes: workers.worker_pool).
+    Returns the outputs written
     whole by a task; on failure, removes every temp file the tasks made and raises. Progress:
     bytes as they are read here; with workers, an equal share of `total_bytes` per task done."""
     results: dict[int, Finished] = {}
@@ -164,11 +166,7 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
             for task in tasks:
                 results.update(run_task(job, task, progress))
             return results
-        import multiprocessing  # here: a one-process run does not pay for the import
-        from concurrent.futures import ProcessPoolExecutor
-
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+        with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
             futures = [pool.submit(run_task, job, task) for task in tasks]
             try:
                 for done, future in enumerate(futures):

@@ -4,7 +4,8 @@ Checks, collecting every problem rather than stopping at the first: the manifest
 structurally sound (types, bounds, names, layouts); every rank file is present with the recorded
 size; each header agrees with the manifest (checkpoint id, rank, dtypes, shapes, the fragment
 hash table); the whole-file hash matches; no stray rank files; with a key, the signature
-(docs/SAFETY.md). Each file is read once, front to back, by one of `workers` processes.
+(docs/SAFETY.md). Each file is read once, front to back, by one of `workers` threads (big files)
+or processes (zeroshard.toolkit.workers).
 
 What the hashes prove: the manifest's whole-file hash covers every byte of a file (its header
 and hash table included), so a file that matches it is byte for byte what its writer committed.
@@ -62,7 +63,7 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
            sha256: bool = False, workers: int | None = 1, deep: bool = False) -> VerifyReport:
     """key: also check the signature (format.signature) made with it; sha256: also record each
     file's SHA-256 (for signing); deep: also check every fragment against its file's hash table
-    (see the module's docstring). Every file is still read once, by one of `workers` processes
+    (see the module's docstring). Every file is still read once, by one of `workers` threads or processes
     (None: zeroshard.toolkit.workers.auto_workers)."""
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
@@ -99,12 +100,10 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
             outcomes = [check_files(location.url, location.storage_options, manifest, files, sha256, bar.update,
                                     deep=deep, location=location)]
         else:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+            from zeroshard.toolkit.workers import worker_pool
 
             groups = [files[i::workers * 4] for i in range(min(len(files), workers * 4))]
-            context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            with worker_pool(workers, [f.size for f in files]) as pool:
                 futures = [pool.submit(check_files, location.url, location.storage_options, manifest, g, sha256,
                                        deep=deep) for g in groups]
                 outcomes = []
