@@ -180,8 +180,8 @@ import zeroshard.toolkit.packed as packed  # noqa: E402
 from zeroshard.cli import main  # noqa: E402
 from zeroshard.errors import ZeroshardError  # noqa: E402
 from zeroshard.format import open_checkpoint  # noqa: E402
+from zeroshard.format.layouts import layouts_of  # noqa: E402
 from zeroshard.format.reader import expected_header  # noqa: E402
-from zeroshard.toolkit.layouts import layouts_of  # noqa: E402
 
 FORMAT_1_0 = Path(__file__).parent / "data" / "format-1.0"
 
@@ -266,9 +266,31 @@ def test_rank_layouts_give_every_header_the_writer_wrote(wide, tmp_path):
             assert len(layouts.runs) <= 2 * len(manifest.tensors) + 3
             assert len(layouts.runs) < manifest.world_size // 2
         for file in manifest.files:
-            raw, _ = expected_header(file, manifest)
+            raw, header = expected_header(file, manifest)
             assert layouts.header(file.rank) == raw == (folder / file.name).read_bytes()[:len(raw)]
             assert layouts.file_size(file.rank) == file.size
+            assert layouts.expected(file.rank) == (raw, header)
+
+
+def test_reading_every_rank_file_composes_each_layout_once(wide, tmp_path, monkeypatch):
+    """Consolidating 300 ranks opens 300 files; their expected headers come from the runs of
+    alike ranks (a handful), not from a walk over every file's tensors."""
+    import zeroshard.format.layouts as layouts_module
+    import zeroshard.format.reader as reader_module
+
+    calls = {"reader": 0, "layouts": 0}
+
+    def counting(key, function):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(reader_module, "rank_contents", counting("reader", reader_module.rank_contents))
+    monkeypatch.setattr(layouts_module, "rank_contents", counting("layouts", layouts_module.rank_contents))
+    consolidate(str(wide[0] / "w300"), str(tmp_path / "m.safetensors"))
+    assert calls["reader"] == 0
+    assert 0 < calls["layouts"] <= 2 * 41 + 3  # at most one per run, whatever the world size
 
 
 def _header_span(path: Path) -> tuple[int, int]:

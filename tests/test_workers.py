@@ -4,6 +4,7 @@ processes for many small ones; either way the same bytes, and a failure leaves n
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_scale import leftovers
 
 from zeroshard.errors import CheckpointError
 from zeroshard.toolkit import transfer, workers
@@ -15,7 +16,6 @@ from zeroshard.toolkit.verify import verify
 from checkpoints import read_checkpoint
 from test_bad_input import flip_byte_in
 from test_roundtrip import assert_same
-from test_scale import leftovers
 
 
 def test_pool_kind_follows_file_size():

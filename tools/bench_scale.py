@@ -41,7 +41,7 @@ from bench_env import use_compiled_bytecode  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from bench_toolkit import timed  # noqa: E402  (same measuring: wall seconds and child peak RSS)
+from bench_toolkit import timed  # noqa: E402  (same measuring: wall, child peak RSS, CPU)
 
 
 def zeroshard(*args: str) -> list[str]:
@@ -197,12 +197,12 @@ def main() -> None:
                 if key != "base":
                     clean()
                     inner[key].append(in_process(cmd))
-        baseline = min(w for w, _ in runs["base"])
-        base_median = statistics.median(w for w, _ in runs["base"])
+        baseline = min(w for w, *_ in runs["base"])
+        base_median = statistics.median(w for w, *_ in runs["base"])
         for key in ("1", "2"):
-            wall = min(w for w, _ in runs[key])
-            median = statistics.median(w for w, _ in runs[key])
-            rss = max(r for _, r in runs[key])
+            wall = min(w for w, *_ in runs[key])
+            median = statistics.median(w for w, *_ in runs[key])
+            rss = max(r for _, r, *_ in runs[key])
             own = min(inner[key])
             print(f"| {name} | {key} | {wall:.2f} ({median:.2f}) | {own:.2f} | {baseline:.2f} ({base_median:.2f}) | "
                   f"{wall / baseline:.2f}x | {own / baseline:.2f}x | <= {bar:.0f}x | {rss / 2**20:.0f} |")
@@ -221,7 +221,7 @@ def main() -> None:
           f"{(big / 'zeroshard.json').stat().st_size / 1e3:.0f} kB), built by reshard 1 -> {args.plan_ranks} "
           f"in {built:.1f} s")
     print("\n| step | wall s | peak RSS MiB | bars |\n|---|---|---|---|")
-    wall, rss = min(timed(zeroshard("inspect", str(big), "--json")) for _ in range(args.repeat))
+    wall, rss, _ = min(timed(zeroshard("inspect", str(big), "--json")) for _ in range(args.repeat))
     print(f"| zeroshard inspect | {wall:.2f} | {rss / 2**20:.0f} | <= 1 s, <= 200 MiB |")
     for rank in (0, args.plan_ranks // 2):
         results = []
@@ -231,7 +231,7 @@ def main() -> None:
                                   text=True, check=True)
             results.append((time.perf_counter() - start, proc.stdout.split()))
         wall, (inner, pieces, nfiles) = min(results)
-        _, rss = timed([sys.executable, "-c", PLAN_ONE_RANK, str(big), str(rank)])
+        _, rss, _ = timed([sys.executable, "-c", PLAN_ONE_RANK, str(big), str(rank)])
         print(f"| load planning, rank {rank} ({pieces} ranges in {nfiles} file(s)) | {wall:.2f} (in-process "
               f"{float(inner):.2f}) | {rss / 2**20:.0f} | <= 1 s, <= 200 MiB |")
     shutil.rmtree(work, ignore_errors=True)

@@ -9,7 +9,7 @@ output files (zeroshard.toolkit.transfer.split_tasks):
 - the input files the task needs are each read whole in one call into one buffer, and each is
   checked with one hash: the manifest's whole-file hash covers every byte, header and hash table
   included, so no fragment hash needs computing (those are for readers of part of a file). The
-  header must be byte-identical to the one the manifest implies (zeroshard.toolkit.layouts);
+  header must be byte-identical to the one the manifest implies (zeroshard.format.layouts);
 - every piece is planned with array arithmetic (the partition rule over every output fragment of
   the task at once) and copied with one numpy gather into one buffer holding all the outputs;
 - each output's fragments are hashed while hot, its hash table and whole-file hash computed, and
@@ -32,11 +32,11 @@ import numpy as np
 import xxhash
 
 from zeroshard.errors import CheckpointError
+from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import TEMP_PREFIX, Location, read_regular_file, storage_errors
 from zeroshard.storage.owner import owner_tag
-from zeroshard.toolkit.layouts import RankLayouts
 
 if TYPE_CHECKING:
     from zeroshard.toolkit.transfer import Finished, Job, RankFilePlans, Task

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import resolve_checkpoint
 from zeroshard.format.folder import read_manifest_bytes
+from zeroshard.format.layouts import RankLayouts, layouts_of
 from zeroshard.format.manifest import (
     HASH_TABLE_NAME,
     MANIFEST_NAME,
@@ -37,7 +38,6 @@ from zeroshard.format.signature import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, chec
 from zeroshard.storage.hashing import SegmentHasher, hash_bytes, xxh3_int
 from zeroshard.storage.location import Location, read_regular_file
 from zeroshard.storage.safetensors_header import Header
-from zeroshard.toolkit.layouts import RankLayouts, layouts_of
 from zeroshard.toolkit.progress import byte_bar
 
 SMALL_FILE_BYTES = 16 * 1024 * 1024

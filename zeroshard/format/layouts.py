@@ -8,9 +8,9 @@ number in `__metadata__`. This module computes each run's layout once (O(tensors
 most min(W, 2 x tensors + 3) runs) and gives, per rank, the exact header bytes a zeroshard
 writer puts there, the file size and every tensor's byte range as arrays indexed by tensor.
 
-Used by verify (a header is checked with one comparison) and by the packed copy of many small
-files (zeroshard.toolkit.packed), which plans and writes 1,000 rank files at numpy speed. No
-numpy here: verify starts faster without it.
+Used by CheckpointReader and verify (a header is checked with one comparison) and by the packed
+copy of many small files (zeroshard.toolkit.packed), which plans and writes 1,000 rank files at
+numpy speed. No numpy here: verify starts faster without it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zeroshard.format.manifest import FORMAT_NAME, HASH_TABLE_NAME, TensorEntry, rank_contents
-from zeroshard.storage.safetensors_header import build_header_bytes
+from zeroshard.storage.safetensors_header import Header, HeaderEntry, build_header_bytes
 
 _PREFIX = b'{"__metadata__":'
 
@@ -82,8 +82,9 @@ class RankLayouts:
         # the metadata's JSON differs between ranks only in the rank: split it there, once
         left, mark, right = _metadata_json(self.metadata(0)).partition(b'"rank":"0"')
         self._meta = (left + b'"rank":"', b'"' + right) if mark and mark not in right else None
-        self.runs = [self._run(first, end) for first, end in zip(self.starts, self.starts[1:] + [world_size])]
+        self._runs: list[Run | None] = [None] * len(self.starts)  # each made on first use
         self._last: tuple[int, Run] | None = None
+        self._entries: dict[tuple[int, int, int], dict[str, HeaderEntry]] = {}  # shared by alike ranks: read only
         if self._extras and not self._extras_compose_right():
             self._split_per_rank()
 
@@ -95,7 +96,7 @@ class RankLayouts:
             if t.layout == "local" and t.numel:
                 breaks.update((t.owner, t.owner + 1))
         self.starts = sorted(b for b in breaks if 0 <= b <= self.world_size)[:-1]
-        self.runs = [self._run(first, end) for first, end in zip(self.starts, self.starts[1:] + [self.world_size])]
+        self._runs = [None] * len(self.starts)  # each made on first use
 
     def _extras_compose_right(self) -> bool:
         """Check rank_layout's composition against the writer's, on one rank, once."""
@@ -116,7 +117,7 @@ class RankLayouts:
         text = raw[8:].rstrip(b" ")
         head = _PREFIX + _metadata_json(metadata)
         if not text.startswith(head):  # build_header_bytes composes differently: this module must follow
-            raise AssertionError("rank header layout changed; update zeroshard.toolkit.layouts")
+            raise AssertionError("rank header layout changed; update zeroshard.format.layouts")
         order = [self.index[t.name] for t, _, _ in contents]
         begin = [relative[t.name][2] for t, _, _ in contents]
         nbytes = [relative[t.name][3] - relative[t.name][2] for t, _, _ in contents]
@@ -129,9 +130,21 @@ class RankLayouts:
         return {"format": FORMAT_NAME, "format_version": self.version, "checkpoint_id": self.checkpoint_id,
                 "rank": str(rank), "world_size": str(self.world_size)}
 
+    @property
+    def runs(self) -> list[Run]:
+        """Every run. Each costs O(tensors) to make; a reader of a few files makes only theirs."""
+        return [self._run_at(i) for i in range(len(self.starts))]
+
+    def _run_at(self, i: int) -> Run:
+        run = self._runs[i]
+        if run is None:
+            end = self.starts[i + 1] if i + 1 < len(self.starts) else self.world_size
+            run = self._runs[i] = self._run(self.starts[i], end)
+        return run
+
     def run_of(self, rank: int) -> Run:
         """The run `rank` belongs to (its per-rank tensors not included: see rank_layout)."""
-        return self.runs[bisect.bisect_right(self.starts, rank) - 1]
+        return self._run_at(bisect.bisect_right(self.starts, rank) - 1)
 
     def rank_layout(self, rank: int) -> Run:
         """What `rank`'s file holds: its run, plus its per-rank tensors when it has any."""
@@ -175,6 +188,28 @@ class RankLayouts:
         text = _PREFIX + meta + self.rank_layout(rank).tail
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
+
+    def expected(self, rank: int) -> tuple[bytes, Header]:
+        """`rank`'s exact header bytes and what they say. Ranks of one run whose headers have
+        one length (rank numbers of as many digits) share one entries dict, made once: reading
+        the headers of 1,000 files does not loop over their tensors."""
+        raw = self.header(rank)
+        layout = self.rank_layout(rank)
+        key = (layout.first, layout.end, len(raw))
+        entries = self._entries.get(key) if layout.end - layout.first > 1 else None
+        if entries is None:
+            start = len(raw)
+            entries = {}
+            for i, begin, nbytes in zip(layout.tensors, layout.begin, layout.nbytes):
+                t = self.tensors[i]
+                entries[t.name] = HeaderEntry(t.dtype, (nbytes // t.itemsize,), start + begin, start + begin + nbytes)
+            if layout.table_begin >= 0:
+                begin = start + layout.table_begin
+                entries[HASH_TABLE_NAME] = HeaderEntry("U64", (len(layout.tensors),), begin,
+                                                       begin + 8 * len(layout.tensors))
+            if layout.end - layout.first > 1:
+                self._entries[key] = entries
+        return raw, Header(entries, self.metadata(rank), len(raw), len(raw) + layout.data_bytes)
 
     def file_size(self, rank: int, header: bytes | None = None) -> int:
         return len(header if header is not None else self.header(rank)) + self.rank_layout(rank).data_bytes
