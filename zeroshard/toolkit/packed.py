@@ -182,7 +182,7 @@ def _run(job: "Job", planner: "RankFilePlans", task: "Task",
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
             _explain_mismatch(source, manifest, q)
         header = source_layouts.header(q)
-        if file.size != source_layouts.file_size(q, header) or data[:len(header)] != header:
+        if file.size != source_layouts.file_size(q, header) or data[:len(header)].tobytes() != header:
             raise _Fallback  # a header composed otherwise (a valid file from another writer?): parse it there
         data_at[i] = base + len(header)
 

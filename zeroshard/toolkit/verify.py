@@ -181,7 +181,8 @@ def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: R
     if not read_regular_file(path, view):
         return None
     header = layouts.header(file.rank)
-    if file.size != layouts.file_size(file.rank, header) or view[:len(header)] != header:
+    # tobytes() first: a memoryview compares with bytes element by element, bytes by memcmp
+    if file.size != layouts.file_size(file.rank, header) or view[:len(header)].tobytes() != header:
         return None
     if hash_bytes(view) != file.hash:
         return None
