@@ -101,9 +101,23 @@ def test_reshard_within_inputs_takes_every_hash_during_the_copy(tmp_path, model,
     assert_same(model, load_file(tmp_path / "o.safetensors"))
 
 
-def test_reshard_across_inputs_falls_back_for_the_file_hash(tmp_path, model, small_windows):
-    """2 -> 3: the middle output draws on both inputs, so its file hash (only) is computed from
-    the finished file; every hash still verifies."""
+def test_reshard_across_inputs_reads_them_side_by_side(tmp_path, model, small_windows):
+    """2 -> 3: the middle output draws on both inputs. Read side by side, tensor by tensor, both
+    inputs still go front to back and every output is written front to back: no output byte is
+    read again."""
+    reshard(str(tmp_path / "w2"), 3, str(tmp_path / "w3"))
+    assert small_windows == []
+    assert verify(str(tmp_path / "w3"), deep=True).ok
+    consolidate(str(tmp_path / "w3"), str(tmp_path / "o.safetensors"))
+    assert_same(model, load_file(tmp_path / "o.safetensors"))
+
+
+def test_inputs_one_after_the_other_fall_back_for_the_file_hash(tmp_path, model, small_windows, monkeypatch):
+    """With too many inputs to hold open, they are read one after the other: the middle output's
+    file hash (only) is computed from the finished file, and every hash still verifies."""
+    import zeroshard.toolkit.transfer as transfer
+
+    monkeypatch.setattr(transfer, "MAX_OPEN_INPUTS", 1)
     reshard(str(tmp_path / "w2"), 3, str(tmp_path / "w3"))
     assert len(small_windows) == 1 and small_windows[0][0] == 0  # one whole-file read, nothing else
     assert verify(str(tmp_path / "w3"), deep=True).ok

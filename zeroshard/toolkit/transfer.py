@@ -36,6 +36,7 @@ from zeroshard.toolkit.workers import worker_pool
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
 STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: each stays in the CPU's cache
+MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side (more: one after the other)
 
 
 class OutTensor(NamedTuple):
@@ -229,7 +230,17 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 
             pieces = gather.plan_flat(job.manifest.world_size, flat)
             spans = {rank: (first, end) for rank, first, end in pieces.ranks()}
+        # big (or remote) inputs, when few enough to hold open at once, are read side by side
+        files = job.manifest.files
+        big = {rank: needed.pop(rank) for rank in list(needed)
+               if (not source.local or files[rank].size > WINDOW_BYTES) and rank not in spans}
+        if len(big) > MAX_OPEN_INPUTS:
+            needed.update(big)
+            big = {}
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
+            if big:
+                _copy_side_by_side(reader, big, outputs, progress, taken)
+                reader.close()
             for rank in sorted(set(needed) | set(spans)):
                 if rank in spans:
                     gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
@@ -338,74 +349,96 @@ def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, l
 def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[str, list[Piece]],
                   outputs: dict[int, MappedOutput], recorded: dict[str, str] | None,
                   progress: Callable[[int], None] | None, hashes: dict[int, InOrderHashes]) -> None:
-    """Big or remote files: each fragment through windows of WINDOW_BYTES, released as they go.
+    """Big or remote files, one at a time: each fragment in file order (_copy_fragment)."""
+    entries = opened.header.entries
+    done = 0
+    scratch = [bytearray()]
+    for name in sorted(fragments, key=lambda n: entries[n].begin):
+        done += _copy_fragment(reader, rank, opened, name, fragments[name], outputs, recorded, hashes, scratch)
+    if progress is not None:
+        progress(done)
+
+
+def _copy_side_by_side(reader: CheckpointReader, inputs: dict[int, dict[str, list[Piece]]],
+                       outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None,
+                       hashes: dict[int, InOrderHashes]) -> None:
+    """Big or remote files, all open at once, fragment by fragment in tensor order and, per
+    tensor, in rank order. Each input is still read front to back (its fragments are in tensor
+    order), and each output is now written front to back too, even one drawing on several
+    inputs (8 -> 6), so its hashes ride on the copy (output_hashes.py) instead of costing a read
+    of the finished file."""
+    position = {name: i for i, name in enumerate(reader.manifest.tensors)}
+    order = sorted((position[name], rank, name) for rank, fragments in inputs.items() for name in fragments)
+    recorded: dict[int, dict[str, str] | None] = {}
+    scratch = [bytearray()]
+    for _, rank, name in order:
+        opened = reader.open_file(rank)
+        if rank not in recorded:
+            recorded[rank] = reader.fragment_hashes(rank) if reader.verify_hashes else None
+        done = _copy_fragment(reader, rank, opened, name, inputs[rank][name], outputs, recorded[rank], hashes,
+                              scratch)
+        if progress is not None:
+            progress(done)
+
+
+def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, pieces: list[Piece],
+                   outputs: dict[int, MappedOutput], recorded: dict[str, str] | None,
+                   hashes: dict[int, InOrderHashes], scratch: list[bytearray]) -> int:
+    """One input fragment through windows of WINDOW_BYTES, released as they go; returns its bytes.
 
     Each window is worked through in cache-sized steps: a step is hashed (the input check), then
     written out and fed to its outputs' hashes while it is still in the CPU's cache, so every
     input byte comes from memory once.
     """
-    entries = opened.header.entries
-    tensors = reader.manifest.tensors
-    window_buffer: memoryview | None = None
-    done = 0
-    pending = [0, 0, 0]  # input bytes read but still mapped: [first offset, end offset, count]
-    for name in sorted(fragments, key=lambda n: entries[n].begin):
-        entry, tensor = entries[name], tensors[name]
-        size = tensor.itemsize
-        pieces = fragments[name]
-        if len(pieces) > 1:
-            pieces.sort()
-        length = entry.end - entry.begin
-        window = max(size, WINDOW_BYTES // size * size)
-        step_bytes = max(size, STEP_BYTES // size * size)
-        hasher = new_hasher() if recorded is not None else None
-        first_piece = 0  # pieces before this one end before the current step (sorted by source offset)
-        for w0 in range(0, length, window):
-            wlen = min(window, length - w0)
-            view = opened.reader.view(entry.begin + w0, wlen)
-            if view is None:  # remote input: read the window into a reused buffer
-                if window_buffer is None or len(window_buffer) < wlen:
-                    window_buffer = memoryview(bytearray(min(window, max(wlen, 1 << 20))))
-                view = window_buffer[:wlen]
-                opened.reader.read_into(entry.begin + w0, view)
-            for s0 in range(0, wlen, step_bytes):
-                step = view[s0:s0 + step_bytes]
-                if hasher is not None:
-                    hasher.update(step)
-                first, last = (w0 + s0) // size, (w0 + s0 + len(step)) // size
-                while first_piece < len(pieces) and pieces[first_piece][0] + pieces[first_piece][3] <= first:
-                    first_piece += 1
-                for j in range(first_piece, len(pieces)):
-                    src, index, dst, count, dtype = pieces[j]
-                    if src >= last:
-                        break
-                    lo, hi = max(src, first), min(src + count, last)
-                    if lo >= hi:
-                        continue
-                    data = step[(lo - first) * size:(hi - first) * size]
-                    if dtype != tensor.dtype:
-                        data = cast_bytes(data, tensor.dtype, dtype)
-                    at = dst + (lo - src) * DTYPE_SIZES[dtype]
-                    out = outputs[index]
-                    if len(data) >= PWRITE_BYTES:
-                        out.pwrite(data, at)
-                    else:
-                        out.view[at:at + len(data)] = data
-                        out.wrote(len(data))
-                    if index in hashes:
-                        hashes[index].feed(at, data)
-                del step
-            del view
-            done += wlen
-            at = entry.begin + w0
-            pending = [at, at + wlen, wlen] if not pending[2] else [pending[0], at + wlen, pending[2] + wlen]
-            if pending[2] >= WINDOW_BYTES:  # drop what was read from this process's map, in bulk
-                opened.reader.release(pending[0], pending[1] - pending[0])
-                pending = [0, 0, 0]
-        if hasher is not None and hasher.hexdigest() != recorded[name]:
-            raise _mismatch(reader, rank, name)
-    if progress is not None:
-        progress(done)
+    entry, tensor = opened.header.entries[name], reader.manifest.tensors[name]
+    size = tensor.itemsize
+    if len(pieces) > 1:
+        pieces.sort()
+    length = entry.end - entry.begin
+    window = max(size, WINDOW_BYTES // size * size)
+    step_bytes = max(size, STEP_BYTES // size * size)
+    hasher = new_hasher() if recorded is not None else None
+    first_piece = 0  # pieces before this one end before the current step (sorted by source offset)
+    for w0 in range(0, length, window):
+        wlen = min(window, length - w0)
+        view = opened.reader.view(entry.begin + w0, wlen)
+        if view is None:  # remote input: read the window into the caller's reused buffer
+            if len(scratch[0]) < wlen:
+                scratch[0] = bytearray(wlen)
+            view = memoryview(scratch[0])[:wlen]
+            opened.reader.read_into(entry.begin + w0, view)
+        for s0 in range(0, wlen, step_bytes):
+            step = view[s0:s0 + step_bytes]
+            if hasher is not None:
+                hasher.update(step)
+            first, last = (w0 + s0) // size, (w0 + s0 + len(step)) // size
+            while first_piece < len(pieces) and pieces[first_piece][0] + pieces[first_piece][3] <= first:
+                first_piece += 1
+            for j in range(first_piece, len(pieces)):
+                src, index, dst, count, dtype = pieces[j]
+                if src >= last:
+                    break
+                lo, hi = max(src, first), min(src + count, last)
+                if lo >= hi:
+                    continue
+                data = step[(lo - first) * size:(hi - first) * size]
+                if dtype != tensor.dtype:
+                    data = cast_bytes(data, tensor.dtype, dtype)
+                at = dst + (lo - src) * DTYPE_SIZES[dtype]
+                out = outputs[index]
+                if len(data) >= PWRITE_BYTES:
+                    out.pwrite(data, at)
+                else:
+                    out.view[at:at + len(data)] = data
+                    out.wrote(len(data))
+                if index in hashes:
+                    hashes[index].feed(at, data)
+            del step
+        del view
+        opened.reader.release(entry.begin + w0, wlen)  # drop what was read from this process's map
+    if hasher is not None and hasher.hexdigest() != recorded[name]:
+        raise _mismatch(reader, rank, name)
+    return length
 
 
 def _mismatch(reader: CheckpointReader, rank: int, name: str) -> CheckpointError:
