@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from zeroshard.checkpointing.stateful import scalar_json, to_json_value
+from zeroshard.checkpointing.stateful import to_json_value
 from zeroshard.engine.contract import EngineState
-from zeroshard.format.training_state import optimizer_key, rank_state_key
+from zeroshard.format.training_state import optimizer_key, rank_state_key, scalar_json
 from zeroshard.format.writer import TensorSpec
 from zeroshard.storage.safetensors_header import dtype_name
 

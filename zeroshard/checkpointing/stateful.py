@@ -24,7 +24,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from zeroshard.storage.safetensors_header import dtype_name
+from zeroshard.format import training_state
 
 JSON_TENSOR = "__json__"
 
@@ -108,26 +108,11 @@ class RNGState:
 
 
 def to_json_value(value: Any, what: str) -> Any:
-    """Hyperparameters, counters and Stateful states as plain JSON (tuples -> lists, 0-d tensors -> numbers)."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [to_json_value(v, what) for v in value]
-    if isinstance(value, dict):
-        return {str(k): to_json_value(v, what) for k, v in value.items()}
-    if torch.is_tensor(value) and value.dim() == 0:
-        return value.item()
-    hint = ""
-    if torch.is_tensor(value):
-        hint = ' (global states are JSON in the manifest; an object with checkpoint_scope = "rank" may hold tensors)'
-    raise TypeError(f"{what}: {type(value).__name__} value {value!r} cannot be stored as JSON{hint}")
+    """Hyperparameters, counters and Stateful states as plain JSON (format.training_state)."""
+    return training_state.to_json_value(value, what, _TENSOR_HINT)
 
 
-def scalar_json(value: Any, what: str) -> dict[str, Any]:
-    """A scalar optimizer state (Adam's `step`), keeping a tensor's dtype."""
-    if torch.is_tensor(value):
-        return {"dtype": dtype_name(value.dtype), "value": value.item()}
-    return {"value": to_json_value(value, what)}
+_TENSOR_HINT = ' (global states are JSON in the manifest; an object with checkpoint_scope = "rank" may hold tensors)'
 
 
 def encode_rank_state(states: Mapping[str, dict[str, Any]]) -> bytes:

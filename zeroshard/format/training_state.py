@@ -44,3 +44,37 @@ def global_stateful(extra: dict[str, Any], key: str) -> Any:
     if saved is None and key == "lr_scheduler":
         saved = extra.get("lr_scheduler")
     return saved
+
+
+def to_json_value(value: Any, what: str, tensor_hint: str = "") -> Any:
+    """Hyperparameters, counters and states as plain JSON (tuples -> lists, 0-d tensors ->
+    numbers); a TypeError naming `what` and the type otherwise (`tensor_hint` added for a tensor).
+    Shared by the engine's checkpointer and the importers."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v, what, tensor_hint) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json_value(v, what, tensor_hint) for k, v in value.items()}
+    is_tensor = _is_tensor(value)
+    if is_tensor and value.dim() == 0:
+        return value.item()
+    raise TypeError(f"{what}: {type(value).__name__} value {str(value)[:80]} cannot be stored as JSON"
+                    f"{tensor_hint if is_tensor else ''}")
+
+
+def scalar_json(value: Any, what: str) -> dict[str, Any]:
+    """A scalar optimizer state (Adam's `step`) as the manifest stores it, keeping a tensor's dtype."""
+    if _is_tensor(value):
+        from zeroshard.storage.safetensors_header import dtype_name
+
+        return {"dtype": dtype_name(value.dtype), "value": value.item()}
+    return {"value": to_json_value(value, what)}
+
+
+def _is_tensor(value: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported: never import it here
+    return torch is not None and torch.is_tensor(value)
+

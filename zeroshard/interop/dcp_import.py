@@ -17,8 +17,9 @@ import os
 from typing import Any
 
 from zeroshard.errors import CheckpointError
+from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop.dcp_metadata import load_metadata
-from zeroshard.interop.imported import Imported, optimizer_class_of, scalar_entry, to_json
+from zeroshard.interop.imported import Imported, optimizer_class_of
 from zeroshard.interop.torch_pickle import STAND_INS
 
 
@@ -128,7 +129,8 @@ def read_dcp(src: str) -> Imported:
         imp.params[name] = model[name].float()
         per_elem = {k: v for k, v in state.get(name, {}).items() if torch.is_tensor(v) and v.dim() >= 1}
         imp.optimizer_state[name] = {k: v.reshape(-1) for k, v in per_elem.items()}
-        imp.scalar_state[name] = {k: scalar_entry(v) for k, v in state.get(name, {}).items() if k not in per_elem}
+        imp.scalar_state[name] = {k: scalar_json(v, f"optimizer state {k!r}")
+                                  for k, v in state.get(name, {}).items() if k not in per_elem}
     for name, value in model.items():
         if name in imp.params:
             continue
@@ -139,7 +141,7 @@ def read_dcp(src: str) -> Imported:
             imp.aliases[name] = twin  # a tied weight: saved twice by the state dict, one parameter
         else:
             imp.buffers[name] = value
-    imp.param_groups = [{**{k: to_json(v) for k, v in g.items() if k != "params"},
+    imp.param_groups = [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
                          "params": list(map(str, g["params"]))}
                         for g in ordered_groups if g.get("params") is not None]
     imp.optimizer_class = optimizer_class_of(imp.param_groups)

@@ -25,7 +25,8 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop.imported import Imported, optimizer_class_of, scalar_entry, to_json
+from zeroshard.format.training_state import scalar_json, to_json_value
+from zeroshard.interop.imported import Imported, optimizer_class_of
 from zeroshard.interop.torch_pickle import load_pt
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
@@ -114,7 +115,7 @@ def _read(folder: str) -> Imported:
     for g, shapes in enumerate(groups_shapes):
         saved = dict((base.get("param_groups") or [{}] * len(groups_shapes))[g])
         saved.pop("params", None)
-        group = {k: to_json(v) for k, v in saved.items()}
+        group = {k: to_json_value(v, f"param group option {k!r}") for k, v in saved.items()}
         group["params"] = list(shapes)
         hyper.append(group)
     imp.param_groups = hyper
@@ -145,7 +146,7 @@ def _read(folder: str) -> Imported:
         imp.loss_scale = {"scale": float(scaler.cur_scale), "good_steps": 0,
                           "hysteresis_left": int(getattr(scaler, "cur_hysteresis", 0) or 0)}
     try:
-        imp.lr_scheduler = to_json(model.get("lr_scheduler"))
+        imp.lr_scheduler = to_json_value(model.get("lr_scheduler"), "lr_scheduler")
     except TypeError:
         imp.notes.append("the lr_scheduler state is not plain data and was left out")
     client = {}
@@ -153,9 +154,9 @@ def _read(folder: str) -> Imported:
         if key in DS_KEYS:
             continue
         try:
-            client[str(key)] = to_json(value)
+            client[str(key)] = to_json_value(value, f"client_state[{key!r}]")
         except TypeError as exc:
-            imp.notes.append(f"client_state[{key!r}] ({exc}) is not plain data and was left out")
+            imp.notes.append(f"{exc}: left out")
     imp.client_state = client
     return imp
 
@@ -181,7 +182,7 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
                 # each rank's moment may keep the tail padding its fp32 slice dropped
                 states[key] = torch.cat([r[key].reshape(-1)[: f.numel()] for r, f in zip(per_rank, fp32)])
             else:
-                scalars[key] = scalar_entry(value)
+                scalars[key] = scalar_json(value, f"optimizer state {key!r}")
         _cut(imp, paths[0], shapes, full, states, scalars)
 
 
@@ -199,7 +200,8 @@ def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shape
             keys[key] = torch.is_tensor(value) and value.dim() >= 1
     moments = {k: [torch.cat([s[g][k].reshape(-1) for g in sorted(s)]) for s in per_rank_states]
                for k, per_elem in keys.items() if per_elem}
-    scalars = {k: scalar_entry(per_rank_states[0][min(per_rank_states[0])][k]) for k, per_elem in keys.items()
+    first_group = per_rank_states[0][min(per_rank_states[0])]
+    scalars = {k: scalar_json(first_group[k], f"optimizer state {k!r}") for k, per_elem in keys.items()
                if not per_elem}
     need = sum(math.ceil(math.prod(s) / world) for _, s in names)
     if any(f.numel() < need for f in flat):

@@ -33,31 +33,6 @@ class Imported:
     notes: list[str] = field(default_factory=list)  # what could not be carried over, for the user
 
 
-def to_json(value: Any) -> Any:
-    """A plain-JSON copy (tuples -> lists, 0-d tensors -> numbers), or TypeError naming the type."""
-    import torch
-
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if torch.is_tensor(value) and value.dim() == 0:
-        return value.item()
-    raise TypeError(type(value).__name__)
-
-
-def scalar_entry(value: Any) -> dict[str, Any]:
-    """A scalar optimizer state (Adam's step) as the engine's manifest stores it."""
-    import torch
-
-    if torch.is_tensor(value):
-        codes = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
-        return {"dtype": codes.get(value.dtype, "F32"), "value": value.item()}
-    return {"value": to_json(value)}
-
-
 def optimizer_class_of(groups: list[dict[str, Any]], declared: str = "") -> str:
     """The torch optimizer a foreign checkpoint's param groups (or config) say it used."""
     kind = declared.lower()

@@ -24,16 +24,7 @@ from zeroshard.format.manifest import Manifest
 from zeroshard.format.training_state import optimizer_key
 from zeroshard.interop.imported import Imported
 from zeroshard.storage.location import Location
-
-_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64",
-           "torch.int64": "I64", "torch.int32": "I32", "torch.int8": "I8", "torch.uint8": "U8", "torch.bool": "BOOL"}
-
-
-def dtype_code(tensor: Any) -> str:
-    try:
-        return _DTYPES[str(tensor.dtype)]
-    except KeyError:
-        raise ValueError(f"tensor dtype {tensor.dtype} has no safetensors code here") from None
+from zeroshard.storage.safetensors_header import dtype_name
 
 
 def write_imported(imp: Imported, out: str, world_size: int | None = None, *, tag: str = "imported",
@@ -50,11 +41,11 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         specs.append(TensorSpec(name, "param", "F32", shape, layout))
         data[name] = tensor.float().reshape(-1)
         for key, value in imp.optimizer_state.get(name, {}).items():
-            specs.append(TensorSpec(optimizer_key(key, name), "optimizer", dtype_code(value), shape, layout,
+            specs.append(TensorSpec(optimizer_key(key, name), "optimizer", dtype_name(value.dtype), shape, layout,
                                     param=name, state=key))
             data[optimizer_key(key, name)] = value.reshape(-1)
     for name, tensor in imp.buffers.items():
-        specs.append(TensorSpec(name, "buffer", dtype_code(tensor), tuple(tensor.shape), "whole"))
+        specs.append(TensorSpec(name, "buffer", dtype_name(tensor.dtype), tuple(tensor.shape), "whole"))
         data[name] = tensor.reshape(-1)
 
     def fill(spec: TensorSpec, start: int, end: int, write) -> None:
