@@ -107,7 +107,8 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Write HF's sharded layout with files up to SIZE (e.g. 5GB, 500MB, 2GiB) into folder OUT.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
-              help="Processes sharing the work on this machine (default: every core, up to 8, for a job "
+              help="Workers sharing the work on this machine: threads for big files, else processes "
+                   "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @_common
 def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
@@ -137,7 +138,8 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
 @click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
-              help="Processes sharing the work on this machine (default: every core, up to 8, for a job "
+              help="Workers sharing the work on this machine: threads for big files, else processes "
+                   "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @_common
 def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None, storage_options: dict,
@@ -175,7 +177,8 @@ def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> Non
 @main.command()
 @click.argument("ckpt")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
-              help="Processes sharing the files (default: every core, up to 8, for 256+ MiB).")
+              help="Workers sharing the files: threads for big files, else processes (default: every "
+                   "core, up to 8, for 256+ MiB).")
 @click.option("--key-file", default=None, metavar="FILE",
               help="Also check the signature made by `zeroshard sign` with this key.")
 @click.option("--deep", is_flag=True,
