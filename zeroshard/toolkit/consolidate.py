@@ -23,15 +23,9 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
+from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import (
-    FixedPlans,
-    Job,
-    cast_bytes,
-    plan_output,
-    run_transfer,
-    split_output,
-)
+from zeroshard.toolkit.transfer import Job, cast_bytes, run_transfer
 from zeroshard.toolkit.workers import auto_workers
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}

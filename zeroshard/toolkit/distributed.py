@@ -28,18 +28,8 @@ from zeroshard.format import FileEntry, RankFileResult, build_manifest, open_che
 from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.transfer import (
-    FixedPlans,
-    Job,
-    RankFilePlans,
-    Task,
-    commit,
-    discard,
-    plan_output,
-    run_transfer,
-    split_output,
-    split_tasks,
-)
+from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
+from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 
 
 def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool = False,

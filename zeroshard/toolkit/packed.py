@@ -4,7 +4,7 @@ Taken for jobs of 64+ files whose outputs are all under 8 MiB and inputs under 6
 
 A reshard of 300 tiny tensors from 1,024 to 1,000 ranks moves 5 MB in 600,000 pieces between
 2,000 files; what costs is per file and per piece, not per byte. So, for a task's consecutive
-output files (zeroshard.toolkit.transfer.split_tasks):
+output files (zeroshard.toolkit.plans.split_tasks):
 
 - the input files the task needs are each read whole in one call into one buffer, and each is
   checked with one hash: the manifest's whole-file hash covers every byte, header and hash table
@@ -39,7 +39,8 @@ from zeroshard.storage.location import TEMP_PREFIX, Location, read_regular_file,
 from zeroshard.storage.owner import owner_tag
 
 if TYPE_CHECKING:
-    from zeroshard.toolkit.transfer import Finished, Job, RankFilePlans, Task
+    from zeroshard.toolkit.plans import RankFilePlans, Task
+    from zeroshard.toolkit.transfer import Finished, Job
 
 PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
 PACK_INPUT_BYTES = 64 * 1024 * 1024  # ... from inputs up to this size (read whole, by every task that needs them)

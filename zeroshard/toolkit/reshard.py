@@ -30,8 +30,9 @@ from zeroshard.format import (
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
+from zeroshard.toolkit.plans import RankFilePlans, split_tasks
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, RankFilePlans, commit, discard, run_transfer, split_tasks
+from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 from zeroshard.toolkit.workers import auto_workers
 
 

@@ -8,7 +8,8 @@ about 600,000 pieces, so the per-piece path is kept short (and such jobs of many
 zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are hash-checked as they
 are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
 outputs get their fragment hashes, hash table and file hash in one pass over each finished file.
-Work splits by output (whole files, or tensor ranges of one big file) into tasks that run in this
+Work splits by output (whole files, or tensor ranges of one big file: zeroshard.toolkit.plans)
+into tasks that run in this
 process or in `workers` threads (big files) or processes (zeroshard.toolkit.workers).
 
 Outputs on S3 cannot be written out of order; those are streamed per file instead
@@ -20,115 +21,24 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
+from zeroshard.format.manifest import Manifest
 from zeroshard.format.reader import CheckpointReader, fragments_of
-from zeroshard.format.writer import hash_table_bytes, rank_metadata
+from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
-from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
+from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.output_hashes import InOrderHashes
+from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, Task
 from zeroshard.toolkit.workers import worker_pool
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
 STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: each stays in the CPU's cache
 MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side (more: one after the other)
-
-
-class OutTensor(NamedTuple):
-    """Elements [start, end) of global tensor `source`, stored in an output file under `name` with
-    `shape` and `dtype`, from byte `begin` (filled in by plan_output). A tuple: a reshard to
-    1,000 ranks plans 300,000 of them."""
-
-    name: str
-    source: TensorEntry
-    start: int
-    end: int
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return (self.end - self.start) * DTYPE_SIZES[self.dtype]
-
-
-@dataclass
-class OutputPlan:
-    """One output file: its header bytes (length prefix included), its tensors, its size."""
-
-    name: str
-    header: bytes
-    tensors: list[OutTensor]
-    size: int
-    hash_table: bool  # a 1.1 rank file: ends with the fragment-hash table, file hash recorded
-
-
-def plan_output(name: str, tensors: Sequence[tuple[str, TensorEntry, int, int, str, tuple[int, ...]]],
-                metadata: dict[str, str], hash_table: bool) -> OutputPlan:
-    """Lay (name, source, start, end, dtype, shape) tensors out back to back, plus the
-    fragment-hash table for a rank file."""
-    layout = [(t[0], t[4], t[5]) for t in tensors]
-    if hash_table:
-        layout.append((HASH_TABLE_NAME, "U64", (len(tensors),)))
-    header, relative = build_header_bytes(layout, metadata)
-    start = len(header)
-    placed = [OutTensor(*t, start + relative[t[0]][2]) for t in tensors]
-    size = start + max((r[3] for r in relative.values()), default=0)
-    return OutputPlan(name, header, placed, size, hash_table)
-
-
-class FixedPlans:
-    """Outputs planned up front (consolidate: one model file, or a few HF shards)."""
-
-    def __init__(self, plans: list[OutputPlan]):
-        self.plans = plans
-        self.count = len(plans)
-
-    def plan(self, index: int) -> OutputPlan:
-        return self.plans[index]
-
-
-class RankFilePlans:
-    """The rank files of a checkpoint at `world_size`, each planned where it is written: a worker
-    plans (and creates) only its own outputs, so planning 1,000 headers is spread too."""
-
-    def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
-        self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
-        self.count = world_size
-        self._nbytes: int | None = None
-
-    def plan(self, rank: int) -> OutputPlan:
-        return plan_output(rank_file_name(rank, self.world_size),
-                           [(t.name, t, start, end, t.dtype, (end - start,))
-                            for t, start, end in rank_contents(self.tensors, self.world_size, rank)],
-                           rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
-
-    def pieces(self, index: int, source_world: int) -> int:
-        return len(self.tensors) * (-(-source_world // self.world_size) + 1)
-
-    def nbytes(self, index: int) -> int:
-        """About how big each output is (for grouping outputs into tasks)."""
-        if self._nbytes is None:
-            self._nbytes = sum(t.nbytes for t in self.tensors) // self.world_size
-        return self._nbytes
-
-
-def _piece_count(t: OutTensor, source_world: int) -> int:
-    return min(t.end - t.start, source_world) if t.source.layout == "flat" else 1
-
-
-@dataclass
-class Task:
-    """Fill some outputs (all their tensors, or for one big pre-created output the `tensors`
-    indices given) and, for whole outputs, finish them (hash table and hashes)."""
-
-    outputs: list[int]
-    tensors: dict[int, list[int]] | None = None  # set: the outputs exist already (created by the caller)
 
 
 @dataclass
@@ -484,50 +394,3 @@ def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
         hasher.update(out.view[offset:min(offset + WINDOW_BYTES, end)])
         out.wrote(min(WINDOW_BYTES, end - offset))  # read pages count too: dropped every 64 MiB
     return hasher.hexdigest()
-
-
-PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
-# output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
-# big outputs are grouped by pieces only (their copies go through bounded windows anyway)
-TASK_BYTES = 32 * 1024 * 1024
-
-
-def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
-    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
-    at most about PIECE_BUDGET pieces (and, for small outputs, TASK_BYTES of output), with a few
-    tasks per worker when there are workers."""
-    costs = [planner.pieces(i, source_world) for i in range(planner.count)]
-    sizes = [planner.nbytes(i) for i in range(planner.count)]
-    budget = PIECE_BUDGET
-    if workers > 1:
-        budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
-    tasks: list[Task] = []
-    group: list[int] = []
-    used = used_bytes = 0
-    for index, (cost, size) in enumerate(zip(costs, sizes)):
-        if group and (used + cost > budget or (size <= TASK_BYTES // 4 and used_bytes + size > TASK_BYTES)):
-            tasks.append(Task(group))
-            group, used, used_bytes = [], 0, 0
-        group.append(index)
-        used += cost
-        used_bytes += size
-    if group:
-        tasks.append(Task(group))
-    return tasks
-
-
-def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) -> list[Task]:
-    """One big output's tensors in consecutive groups of about PIECE_BUDGET pieces and, with
-    workers, of about equal bytes (the output must be created by the caller: Job.temp_paths)."""
-    groups: list[list[int]] = [[]]
-    used = group_bytes = 0
-    byte_goal = sum(t.nbytes for t in plan.tensors) / (workers * 2) if workers > 1 else float("inf")
-    for i, t in enumerate(plan.tensors):
-        cost = _piece_count(t, source_world)
-        if groups[-1] and (used + cost > PIECE_BUDGET or group_bytes >= byte_goal):
-            groups.append([])
-            used = group_bytes = 0
-        groups[-1].append(i)
-        used += cost
-        group_bytes += t.nbytes
-    return [Task([index], {index: g}) for g in groups]

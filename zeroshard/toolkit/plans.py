@@ -1,0 +1,150 @@
+"""Planning a copy: every output file's header, size and tensors, and how the work splits into
+tasks. Pure arithmetic over the manifest, no I/O (zeroshard.toolkit.transfer runs the tasks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from zeroshard.format.manifest import HASH_TABLE_NAME, TensorEntry, rank_contents, rank_file_name
+from zeroshard.format.writer import rank_metadata
+from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
+
+
+class OutTensor(NamedTuple):
+    """Elements [start, end) of global tensor `source`, stored in an output file under `name` with
+    `shape` and `dtype`, from byte `begin` (filled in by plan_output). A tuple: a reshard to
+    1,000 ranks plans 300,000 of them."""
+
+    name: str
+    source: TensorEntry
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class OutputPlan:
+    """One output file: its header bytes (length prefix included), its tensors, its size."""
+
+    name: str
+    header: bytes
+    tensors: list[OutTensor]
+    size: int
+    hash_table: bool  # a 1.1 rank file: ends with the fragment-hash table, file hash recorded
+
+
+def plan_output(name: str, tensors: Sequence[tuple[str, TensorEntry, int, int, str, tuple[int, ...]]],
+                metadata: dict[str, str], hash_table: bool) -> OutputPlan:
+    """Lay (name, source, start, end, dtype, shape) tensors out back to back, plus the
+    fragment-hash table for a rank file."""
+    layout = [(t[0], t[4], t[5]) for t in tensors]
+    if hash_table:
+        layout.append((HASH_TABLE_NAME, "U64", (len(tensors),)))
+    header, relative = build_header_bytes(layout, metadata)
+    start = len(header)
+    placed = [OutTensor(*t, start + relative[t[0]][2]) for t in tensors]
+    size = start + max((r[3] for r in relative.values()), default=0)
+    return OutputPlan(name, header, placed, size, hash_table)
+
+
+class FixedPlans:
+    """Outputs planned up front (consolidate: one model file, or a few HF shards)."""
+
+    def __init__(self, plans: list[OutputPlan]):
+        self.plans = plans
+        self.count = len(plans)
+
+    def plan(self, index: int) -> OutputPlan:
+        return self.plans[index]
+
+
+class RankFilePlans:
+    """The rank files of a checkpoint at `world_size`, each planned where it is written: a worker
+    plans (and creates) only its own outputs, so planning 1,000 headers is spread too."""
+
+    def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
+        self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
+        self.count = world_size
+        self._nbytes: int | None = None
+
+    def plan(self, rank: int) -> OutputPlan:
+        return plan_output(rank_file_name(rank, self.world_size),
+                           [(t.name, t, start, end, t.dtype, (end - start,))
+                            for t, start, end in rank_contents(self.tensors, self.world_size, rank)],
+                           rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
+
+    def pieces(self, index: int, source_world: int) -> int:
+        return len(self.tensors) * (-(-source_world // self.world_size) + 1)
+
+    def nbytes(self, index: int) -> int:
+        """About how big each output is (for grouping outputs into tasks)."""
+        if self._nbytes is None:
+            self._nbytes = sum(t.nbytes for t in self.tensors) // self.world_size
+        return self._nbytes
+
+
+def _piece_count(t: OutTensor, source_world: int) -> int:
+    return min(t.end - t.start, source_world) if t.source.layout == "flat" else 1
+
+
+@dataclass
+class Task:
+    """Fill some outputs (all their tensors, or for one big pre-created output the `tensors`
+    indices given) and, for whole outputs, finish them (hash table and hashes)."""
+
+    outputs: list[int]
+    tensors: dict[int, list[int]] | None = None  # set: the outputs exist already (created by the caller)
+
+
+PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
+# output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
+# big outputs are grouped by pieces only (their copies go through bounded windows anyway)
+TASK_BYTES = 32 * 1024 * 1024
+
+
+def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
+    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
+    at most about PIECE_BUDGET pieces (and, for small outputs, TASK_BYTES of output), with a few
+    tasks per worker when there are workers."""
+    costs = [planner.pieces(i, source_world) for i in range(planner.count)]
+    sizes = [planner.nbytes(i) for i in range(planner.count)]
+    budget = PIECE_BUDGET
+    if workers > 1:
+        budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
+    tasks: list[Task] = []
+    group: list[int] = []
+    used = used_bytes = 0
+    for index, (cost, size) in enumerate(zip(costs, sizes)):
+        if group and (used + cost > budget or (size <= TASK_BYTES // 4 and used_bytes + size > TASK_BYTES)):
+            tasks.append(Task(group))
+            group, used, used_bytes = [], 0, 0
+        group.append(index)
+        used += cost
+        used_bytes += size
+    if group:
+        tasks.append(Task(group))
+    return tasks
+
+
+def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) -> list[Task]:
+    """One big output's tensors in consecutive groups of about PIECE_BUDGET pieces and, with
+    workers, of about equal bytes (the output must be created by the caller: Job.temp_paths)."""
+    groups: list[list[int]] = [[]]
+    used = group_bytes = 0
+    byte_goal = sum(t.nbytes for t in plan.tensors) / (workers * 2) if workers > 1 else float("inf")
+    for i, t in enumerate(plan.tensors):
+        cost = _piece_count(t, source_world)
+        if groups[-1] and (used + cost > PIECE_BUDGET or group_bytes >= byte_goal):
+            groups.append([])
+            used = group_bytes = 0
+        groups[-1].append(i)
+        used += cost
+        group_bytes += t.nbytes
+    return [Task([index], {index: g}) for g in groups]
