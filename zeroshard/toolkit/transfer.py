@@ -38,7 +38,7 @@ from zeroshard.toolkit.workers import worker_pool
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
 STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: each stays in the CPU's cache
-MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side (more: one after the other)
+MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side, at most this many at once
 
 
 @dataclass
@@ -140,23 +140,20 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 
             pieces = gather.plan_flat(job.manifest.world_size, flat)
             spans = {rank: (first, end) for rank, first, end in pieces.ranks()}
-        # big (or remote) inputs, when few enough to hold open at once, are read side by side
+        # big (or remote) inputs are read side by side, up to MAX_OPEN_INPUTS at once
         files = job.manifest.files
-        big = {rank: needed.pop(rank) for rank in list(needed)
-               if (not source.local or files[rank].size > WINDOW_BYTES) and rank not in spans}
-        if len(big) > MAX_OPEN_INPUTS:
-            needed.update(big)
-            big = {}
+        big = sorted(rank for rank in needed
+                     if (not source.local or files[rank].size > WINDOW_BYTES) and rank not in spans)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
-            if big:
-                _copy_side_by_side(reader, big, outputs, progress, taken)
+            for at in range(0, len(big), MAX_OPEN_INPUTS):
+                group = {rank: needed.pop(rank) for rank in big[at:at + MAX_OPEN_INPUTS]}
+                _copy_side_by_side(reader, group, outputs, progress, taken)
                 reader.close()
-            for rank in sorted(set(needed) | set(spans)):
+            for rank in sorted(set(needed) | set(spans)):  # small local inputs, one at a time
                 if rank in spans:
                     gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
                 if rank in needed:
-                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress,
-                                     taken)
+                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
@@ -217,62 +214,45 @@ def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
 
 
 def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, list[Piece]],
-                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None,
-                     taken: dict[int, InOrderHashes]) -> None:
-    """Read the needed fragments of one input file in file order, each front to back, hash-checked."""
+                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None) -> None:
+    """A small local input file (the many-ranks case), mapped whole and checked with one hash:
+    a memcpy per piece."""
     opened = reader.open_file(rank)
     entries = opened.header.entries
     size = opened.header.file_size
-    whole = opened.reader.view(0, size) if size <= WINDOW_BYTES else None
-    if whole is not None:  # a small local file (the many-ranks case): one map, a memcpy per piece
-        if reader.verify_hashes:
-            from zeroshard.toolkit.gather import check_input
+    whole = opened.reader.view(0, size)
+    if reader.verify_hashes:
+        from zeroshard.toolkit.gather import check_input
 
-            check_input(reader, rank, whole, list(fragments))
-        out_views = {index: out.view for index, out in outputs.items()}
-        written = dict.fromkeys(outputs, 0)
-        tensors = reader.manifest.tensors
-        for name, pieces in fragments.items():
-            _, _, begin, end = entries[name]
-            view = whole[begin:end]
-            tensor = tensors[name]
-            itemsize, dtype_in = tensor.itemsize, tensor.dtype
-            for src, index, dst, count, dtype in pieces:
-                if dtype == dtype_in:
-                    out_views[index][dst:dst + count * itemsize] = view[src * itemsize:(src + count) * itemsize]
-                    written[index] += count * itemsize
-                else:
-                    data = cast_bytes(view[src * itemsize:(src + count) * itemsize], dtype_in, dtype)
-                    out_views[index][dst:dst + len(data)] = data
-                    written[index] += len(data)
-        del view, whole
-        for index, nbytes in written.items():
-            if nbytes:
-                outputs[index].wrote(nbytes)  # bounded residency of big outputs fed by many small inputs
-        if progress is not None:
-            progress(size)
-        return
-    recorded = reader.fragment_hashes(rank) if reader.verify_hashes else None
-    _copy_windows(reader, rank, opened, fragments, outputs, recorded, progress, taken)
-
-
-def _copy_windows(reader: CheckpointReader, rank: int, opened, fragments: dict[str, list[Piece]],
-                  outputs: dict[int, MappedOutput], recorded: dict[str, str] | None,
-                  progress: Callable[[int], None] | None, hashes: dict[int, InOrderHashes]) -> None:
-    """Big or remote files, one at a time: each fragment in file order (_copy_fragment)."""
-    entries = opened.header.entries
-    done = 0
-    scratch = [bytearray()]
-    for name in sorted(fragments, key=lambda n: entries[n].begin):
-        done += _copy_fragment(reader, rank, opened, name, fragments[name], outputs, recorded, hashes, scratch)
+        check_input(reader, rank, whole, list(fragments))
+    out_views = {index: out.view for index, out in outputs.items()}
+    written = dict.fromkeys(outputs, 0)
+    tensors = reader.manifest.tensors
+    for name, pieces in fragments.items():
+        _, _, begin, end = entries[name]
+        view = whole[begin:end]
+        tensor = tensors[name]
+        itemsize, dtype_in = tensor.itemsize, tensor.dtype
+        for src, index, dst, count, dtype in pieces:
+            if dtype == dtype_in:
+                out_views[index][dst:dst + count * itemsize] = view[src * itemsize:(src + count) * itemsize]
+                written[index] += count * itemsize
+            else:
+                data = cast_bytes(view[src * itemsize:(src + count) * itemsize], dtype_in, dtype)
+                out_views[index][dst:dst + len(data)] = data
+                written[index] += len(data)
+    del view, whole
+    for index, nbytes in written.items():
+        if nbytes:
+            outputs[index].wrote(nbytes)  # bounded residency of big outputs fed by many small inputs
     if progress is not None:
-        progress(done)
+        progress(size)
 
 
 def _copy_side_by_side(reader: CheckpointReader, inputs: dict[int, dict[str, list[Piece]]],
                        outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None,
                        hashes: dict[int, InOrderHashes]) -> None:
-    """Big or remote files, all open at once, fragment by fragment in tensor order and, per
+    """Big or remote files, open together, fragment by fragment in tensor order and, per
     tensor, in rank order. Each input is still read front to back (its fragments are in tensor
     order), and each output is now written front to back too, even one drawing on several
     inputs (8 -> 6), so its hashes ride on the copy (output_hashes.py) instead of costing a read
