@@ -189,7 +189,7 @@ class Location:
         with storage_errors(self.url_of(name)):
             if not self.local:
                 return self.fs.cat_file(self._full(name), start=start, end=end)
-            fd = open_regular_file(self._full(name), self.url_of(name), follow_links=True)
+            fd, _ = open_regular_file(self._full(name), self.url_of(name), follow_links=True)
             with os.fdopen(fd, "rb") as file:
                 if start:
                     file.seek(start)
@@ -312,9 +312,7 @@ class RangeReader:
             if not follow_links and os.path.islink(location._full(name)):
                 raise StorageError(self.where, "is a symbolic link; zeroshard reads a checkpoint's own files only, "
                                                "never a link to bytes elsewhere")
-            self._fd = open_regular_file(location._full(name), self.where, follow_links)
-            with storage_errors(self.where):
-                self._size = os.fstat(self._fd).st_size
+            self._fd, self._size = open_regular_file(location._full(name), self.where, follow_links)
         else:
             from zeroshard.storage.read_ahead import BlockReader
 
@@ -511,15 +509,17 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
-def open_regular_file(path: str, where: str, follow_links: bool) -> int:
-    """A read-only descriptor of the regular file at `path`. Opened non-blocking, so that a FIFO
-    (which would block until a writer comes) or a device is refused instead of hanging the
-    command; O_NOFOLLOW unless `follow_links`, so a link cannot be swapped in after a check."""
+def open_regular_file(path: str, where: str, follow_links: bool) -> tuple[int, int]:
+    """(a read-only descriptor, the size) of the regular file at `path`. Opened non-blocking, so
+    that a FIFO (which would block until a writer comes) or a device is refused instead of
+    hanging the command; O_NOFOLLOW unless `follow_links`, so a link cannot be swapped in after a
+    check."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     with storage_errors(where):
         fd = os.open(path, flags)
     try:
-        mode = os.fstat(fd).st_mode
+        info = os.fstat(fd)
+        mode = info.st_mode
         if not stat.S_ISREG(mode):
             kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
             raise StorageError(where, f"is not a regular file ({kind})")
@@ -527,7 +527,7 @@ def open_regular_file(path: str, where: str, follow_links: bool) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, info.st_size
 
 
 def read_regular_file(path: str, into: memoryview) -> bool:
@@ -536,12 +536,11 @@ def read_regular_file(path: str, into: memoryview) -> bool:
     device, opened non-blocking so it cannot hang the caller; another size; any OSError). For
     fast paths that fall back to a checked, slower path which says what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd, size = open_regular_file(path, path, follow_links=False)
+    except StorageError:
         return False
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != len(into):
+        if size != len(into):
             return False
         got = 0
         while got < len(into):
