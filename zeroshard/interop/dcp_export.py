@@ -18,10 +18,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from zeroshard.errors import ZeroshardError
+from zeroshard.errors import StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.output import output_transaction, prepare_output
-from zeroshard.storage.location import Location
+from zeroshard.storage.location import Location, describe_error
 
 DCP_COMMIT_FILE = ".metadata"
 
@@ -62,6 +62,15 @@ def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[st
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
+def _first_failure(exc: Any) -> str:
+    """The first underlying error of DCP's CheckpointException, in one line."""
+    for failure in exc.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return f"writing the DCP checkpoint failed: {describe_error(cause)}"
+    return "writing the DCP checkpoint failed"
+
+
 def _is_dcp_file(name: str) -> bool:
     """Files a DCP FileSystemWriter output is made of (what an overwritten export leaves behind)."""
     return name.endswith(".distcp") or name == DCP_COMMIT_FILE
@@ -72,6 +81,7 @@ def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options:
     """Write `ckpt` as a DCP checkpoint folder `out`; returns the number of tensors written."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if "://" in out:
         raise ZeroshardError(f"{out}: DCP export writes local folders only")
@@ -81,9 +91,12 @@ def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options:
     source = Location(ckpt, storage_options)
     output = prepare_output(target, overwrite, inputs=[source], stage_always=True)
     state_dict = export_state_dict(ckpt, storage_options)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(output.stage.path), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(output.stage.path), no_dist=True)
+    except CheckpointException as exc:  # a BaseException whose text is a page of tracebacks
+        raise StorageError(out, _first_failure(exc)) from None
     metadata = output.stage.read_bytes(DCP_COMMIT_FILE)
     output.stage.remove(DCP_COMMIT_FILE)  # written again last, by commit, once every data file is in place
     names = [n for n in output.stage.list() if n != DCP_COMMIT_FILE]

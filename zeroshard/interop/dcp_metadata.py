@@ -170,14 +170,12 @@ def check_metadata(path: str, metadata: Any) -> None:
     planner = getattr(metadata, "planner_data", None)
     if planner is not None and not isinstance(planner, dict):
         raise CheckpointError(path, f"planner_data must be a dict, got {type(planner).__name__}")
-    storage = _check_storage(path, metadata.storage_data)
+    tiles: dict[str, tuple[Any, list[tuple[tuple, tuple]]]] = {}
     for key, entry in entries.items():
         if not isinstance(key, str):
             raise CheckpointError(path, f"a key is {type(key).__name__} {str(key)[:40]!r}, not a string")
         kind = type(entry).__name__
         if kind == "BytesStorageMetadata":
-            if not any(k == key for k, _ in storage):
-                raise CheckpointError(path, f"{key}: no storage entry")
             continue
         if kind != "TensorStorageMetadata":
             raise CheckpointError(path, f"{key}: a {kind}, not tensor or bytes metadata")
@@ -185,7 +183,14 @@ def check_metadata(path: str, metadata: Any) -> None:
         size = _dims(getattr(entry, "size", None))
         if not isinstance(dtype, torch.dtype) or size is None:
             raise CheckpointError(path, f"{key}: no dtype, or a size that is not non-negative integers")
-        for offsets, sizes in _check_tiling(path, key, size, entry.chunks):
+        tiles[key] = (dtype, _check_tiling(path, key, size, getattr(entry, "chunks", None)))
+    storage = _check_storage(path, metadata.storage_data)
+    stored_keys = {k for k, _ in storage}
+    for key in entries:
+        if key not in tiles and key not in stored_keys:
+            raise CheckpointError(path, f"{key}: no storage entry")
+    for key, (dtype, boxes) in tiles.items():
+        for offsets, sizes in boxes:
             info = storage.get((key, offsets))
             if info is None:
                 raise CheckpointError(path, f"{key}: no storage for the chunk at offset {list(offsets)}")
