@@ -8,6 +8,7 @@ checkpoints written here by torch.distributed.checkpoint.save itself."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -27,11 +28,16 @@ from zeroshard.storage import Location
 from zeroshard.storage.claim import take_claim
 
 from test_bad_input import _cli_with_file_size_limit
-from test_safety_outputs import snapshot
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 TAG = "global_step3"
 pytestmark = pytest.mark.timeout(120)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (hidden ones included), by relative path -> SHA-256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() or p.is_symlink()}
 
 
 def cli(*args: str) -> tuple[int, str]:
@@ -255,7 +261,8 @@ def test_deepspeed_rank_file_linked_out_of_the_folder_is_refused(tmp_path):
     _refused_import(root, tmp_path, OPTIM1, "link")
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\xfa", b"global_step3" * 500_000, "fifo"], ids=["not-utf8", "5MB", "fifo"])
+@pytest.mark.parametrize("content", [b"\xff\xfe\xfa", b"global_step3" * 500_000, "fifo"],
+                         ids=["not-utf8", "5MB", "fifo"])
 def test_deepspeed_bad_latest_is_one_line_naming_it(tmp_path, content):
     root = ds_copy(tmp_path)
     (root / "latest").unlink()
