@@ -35,9 +35,19 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under `folder` (hidden ones included), by relative path -> SHA-256."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() or p.is_symlink()}
+    """Every entry under `folder` (hidden ones included, links not followed), by relative path ->
+    SHA-256 of a file, the target of a link, or its kind (reading a FIFO would block)."""
+    out = {}
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = Path(parent) / name
+            if p.is_symlink():
+                out[str(p.relative_to(folder))] = "link:" + os.readlink(p)
+            elif p.is_file():
+                out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                out[str(p.relative_to(folder))] = "folder" if p.is_dir() else "special"
+    return out
 
 
 def cli(*args: str) -> tuple[int, str]:
@@ -229,6 +239,41 @@ def test_import_into_an_output_with_a_live_claim_is_refused(tmp_path, kind):
         assert {k: v for k, v in snapshot(out).items() if not k.startswith(".zeroshard-claim")} == before
     finally:
         held.release()
+
+
+KILLED_BEFORE_IMPORT_COMMIT = (
+    "import os, signal, sys\n"
+    "from zeroshard.interop import write\n"
+    "def dying(*args, **kwargs): os.kill(os.getpid(), signal.SIGKILL)\n"
+    "write.build_manifest = dying\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_killed_import_leaves_only_what_clean_removes(tmp_path, existing):
+    """SIGKILL once every rank file is written, before the manifest: the old output (if any) is
+    whole, and after `zeroshard clean` nothing of the killed run is left (no manifest-less rank files)."""
+    src = ds_copy(tmp_path)
+    out = tmp_path / "out"
+    if existing:
+        assert cli("import", "deepspeed", str(src), str(out))[0] == 0
+    before = snapshot(out) if existing else {}
+    result = subprocess.run([sys.executable, "-c", KILLED_BEFORE_IMPORT_COMMIT, "import", "deepspeed", "-q",
+                             "--overwrite", str(src), str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert [p for p in out.iterdir() if p.name.startswith(".zeroshard-")], "expected a stage and a claim"
+    code, output = cli("clean", str(out), "--older-than", "0s", "--yes")
+    assert code == 0, output
+    assert snapshot(out) == before
+
+
+def test_deepspeed_latest_naming_a_link_out_of_the_root_is_refused(tmp_path):
+    root = ds_copy(tmp_path)
+    shutil.move(root / TAG, tmp_path / "elsewhere")
+    (root / TAG).symlink_to(tmp_path / "elsewhere")
+    _refused_import(root, tmp_path, "latest")
 
 
 # ---- import deepspeed: hostile folders and files ------------------------------------------

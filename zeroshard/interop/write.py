@@ -34,8 +34,8 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     """Write `imp` as a `world_size`-rank checkpoint (default: the source's) at `out`.
 
     Through the toolkit's output discipline (format.output, docs/SAFETY.md): `out` may not be,
-    contain or lie inside `source` (the folder read), it is claimed, and with `overwrite` the new
-    files are staged and swapped in only once complete, so a failure leaves the old output whole."""
+    contain or lie inside `source` (the folder read), it is claimed, and the new files are staged
+    and moved in only once complete, so a failure leaves the old output (if any) whole."""
     import torch
 
     check_world_size(world_size)
@@ -60,7 +60,9 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         write(memoryview(part.view(torch.uint8).numpy()))
 
     target = Location(out, storage_options)
-    output = prepare_output(target, overwrite, inputs=[Location(source)] if source else [])
+    # staged even into an empty folder: a killed import then leaves a stage `zeroshard clean`
+    # removes, never rank files without a manifest
+    output = prepare_output(target, overwrite, inputs=[Location(source)] if source else [], stage_always=True)
     checkpoint_id = uuid.uuid4().hex
     results = [write_rank_file(output.stage, checkpoint_id, rank, world, rank_contents(specs, world, rank), fill,
                                durable=False) for rank in range(world)]
