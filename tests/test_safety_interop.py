@@ -191,6 +191,17 @@ def test_a_killed_export_leaves_only_what_clean_removes(tmp_path, existing):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("kind", ["export", "deepspeed", "dcp"])
+def test_output_that_is_an_existing_file_is_refused_and_kept(tmp_path, kind):
+    src = zs_ckpt(tmp_path) if kind == "export" else ds_copy(tmp_path) if kind == "deepspeed" \
+        else save_dcp(tmp_path / "dcp")
+    target = tmp_path / "file"
+    target.write_bytes(b"precious")
+    args = ("export", "dcp") if kind == "export" else ("import", kind)
+    assert_refused(*cli(*args, str(src), str(target), "--overwrite"), str(target))
+    assert target.read_bytes() == b"precious"
+
+
 # ---- imports: outputs ----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["deepspeed", "dcp"])
 def test_import_into_its_own_source_is_refused(tmp_path, kind):
@@ -332,15 +343,17 @@ def test_deepspeed_model_field_of_the_wrong_type_is_one_line(tmp_path, field, va
     _refused_import(root, tmp_path, MODEL, field)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("shape", [[-4, 3], [10**12, 10**12], ["two"]], ids=["negative", "absurd", "not-int"])
-def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp_path, shape):
-    root = ds_copy(tmp_path)
+def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp_path, shape, stage):
+    root = ds_copy(tmp_path, stage)
+    model = MODEL if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
     def edit(model):
         first = next(iter(model["param_shapes"][0]))
         model["param_shapes"][0][first] = shape
 
-    resave(root / TAG / MODEL, edit)
+    resave(root / TAG / model, edit)
     _refused_import(root, tmp_path, "param_shapes")  # the model file's, or the optimizer files' they exceed
 
 
@@ -525,6 +538,15 @@ def test_dcp_hostile_pickle_in_a_data_blob_runs_nothing(tmp_path):
     edit_metadata(src, edit)
     _refused_dcp(src, tmp_path, "evil.distcp", "refused")
     assert not side.exists()
+
+
+def test_dcp_too_many_chunks_or_a_non_string_key_is_refused(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    edit_metadata(src, lambda m: _chunks(m, "model.b", [((0,), (0,))] * 2000 + [((0,), (2,))]))
+    _refused_dcp(src, tmp_path, ".metadata", "model.b", "at most")
+    src = save_dcp(tmp_path / "dcp2")
+    edit_metadata(src, lambda m: m.state_dict_metadata.__setitem__(7, m.state_dict_metadata["model.b"]))
+    _refused_dcp(src, tmp_path, ".metadata", "not a string")
 
 
 def test_dcp_metadata_of_the_wrong_types_is_one_line(tmp_path):
