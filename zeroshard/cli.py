@@ -281,10 +281,11 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
     The .pt files are read with torch's weights_only unpickler and a closed allowlist.
     """
     from zeroshard.interop.deepspeed_ckpt import read_deepspeed
-    from zeroshard.interop.write import write_imported
+    from zeroshard.interop.write import check_world_size, write_imported
 
+    check_world_size(world_size)  # before anything is read or touched
     _report_import(write_imported(read_deepspeed(src), out, world_size, tag="deepspeed", overwrite=overwrite,
-                                  storage_options=storage_options), out)
+                                  storage_options=storage_options, source=src), out)
 
 
 @import_group.command("dcp")
@@ -300,10 +301,11 @@ def import_dcp(src: str, out: str, world_size: int, overwrite: bool, storage_opt
     from the `.distcp` byte ranges.
     """
     from zeroshard.interop.dcp_import import read_dcp
-    from zeroshard.interop.write import write_imported
+    from zeroshard.interop.write import check_world_size, write_imported
 
+    check_world_size(world_size)  # before anything is read or touched
     _report_import(write_imported(read_dcp(src), out, world_size, tag="dcp", overwrite=overwrite,
-                                  storage_options=storage_options), out)
+                                  storage_options=storage_options, source=src), out)
 
 
 def _report_import(manifest: Any, out: str) -> None:

@@ -97,8 +97,11 @@ class PreparedOutput:
         self.done = True
 
 
-def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location] = ()) -> PreparedOutput:
-    """Make `target` ready to receive a new output; refuses one that exists unless `overwrite`."""
+def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location] = (),
+                   stage_always: bool = False) -> PreparedOutput:
+    """Make `target` ready to receive a new output; refuses one that exists unless `overwrite`.
+    `stage_always`: stage even into an empty folder, for writers (a foreign library's) whose
+    files `zeroshard clean` could not otherwise tell from a finished output's if interrupted."""
     check_output_apart(target, list(inputs))
     claim = take_claim(target)
     try:
@@ -106,7 +109,8 @@ def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location]
         existing = [n for n in target.list() if not n.startswith(TEMP_PREFIX) and n != CLAIM_NAME]
         if existing and not overwrite:
             raise OutputExistsError(target.url)
-        stage = target.child(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-stage") if existing else target
+        staged = existing or stage_always
+        stage = target.child(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-stage") if staged else target
         stage.makedirs()
     except BaseException:
         claim.release()

@@ -4,20 +4,26 @@ The state dict written is {"model": model.state_dict() names (weights, buffers, 
 "optim": get_optimizer_state_dict's layout ({"state": {fqn: {...}}, "param_groups": [...,
 "params": [fqn...]]})}, full (unsharded) tensors, saved by torch.distributed.checkpoint's own
 FileSystemWriter in one process (no_dist=True). DCP reshards full tensors into any FSDP2
-layout at load. Local folders only (DCP's writer is); written beside OUT and moved into place,
-so an existing OUT stays whole until the new one is complete.
+layout at load. Local folders only (DCP's writer is).
+
+The output goes through the toolkit's output discipline (format.output, docs/SAFETY.md): OUT
+may not be, contain or lie inside CKPT; it is claimed; DCP writes into a hidden staging folder
+inside OUT (always, so an interrupted export leaves only what `zeroshard clean` removes), and
+the files move up with `.metadata`, DCP's commit file, last. An existing OUT stays whole until
+the new one is complete.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 import warnings
 from typing import Any
 
-from zeroshard.errors import OutputExistsError, ZeroshardError
+from zeroshard.errors import StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
+from zeroshard.format.output import output_transaction, prepare_output
+from zeroshard.storage.location import Location, describe_error
+
+DCP_COMMIT_FILE = ".metadata"
 
 
 def _scalar(entry: dict[str, Any]) -> Any:
@@ -56,30 +62,45 @@ def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[st
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
+def _first_failure(exc: Any) -> str:
+    """The first underlying error of DCP's CheckpointException, in one line."""
+    for failure in exc.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return f"writing the DCP checkpoint failed: {describe_error(cause)}"
+    return "writing the DCP checkpoint failed"
+
+
+def _is_dcp_file(name: str) -> bool:
+    """Files a DCP FileSystemWriter output is made of (what an overwritten export leaves behind)."""
+    return name.endswith(".distcp") or name == DCP_COMMIT_FILE
+
+
+@output_transaction
 def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None) -> int:
     """Write `ckpt` as a DCP checkpoint folder `out`; returns the number of tensors written."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if "://" in out:
         raise ZeroshardError(f"{out}: DCP export writes local folders only")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise OutputExistsError(out)
+    target = Location(out)
+    if not target.local:
+        raise ZeroshardError(f"{out}: DCP export writes local folders only")
+    source = Location(ckpt, storage_options)
+    output = prepare_output(target, overwrite, inputs=[source], stage_always=True)
     state_dict = export_state_dict(ckpt, storage_options)
-    staging = f"{out.rstrip('/')}.zeroshard-tmp-{uuid.uuid4().hex[:8]}"
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
-        if os.path.exists(out):
-            old = f"{out.rstrip('/')}.zeroshard-old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(staging, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(output.stage.path), no_dist=True)
+    except CheckpointException as exc:  # a BaseException whose text is a page of tracebacks
+        raise StorageError(out, _first_failure(exc)) from None
+    metadata = output.stage.read_bytes(DCP_COMMIT_FILE)
+    output.stage.remove(DCP_COMMIT_FILE)  # written again last, by commit, once every data file is in place
+    names = [n for n in output.stage.list() if n != DCP_COMMIT_FILE]
+    output.commit(names, (DCP_COMMIT_FILE, metadata), uncommit=[DCP_COMMIT_FILE], stale=_is_dcp_file)
     tensors = [v for v in state_dict["model"].values() if torch.is_tensor(v)]
     tensors += [v for s in state_dict["optim"]["state"].values() for v in s.values() if torch.is_tensor(v)]
     return len(tensors)

@@ -9,10 +9,16 @@ helpers and pathlib paths. Everything else is refused before it is called.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from typing import Any
 
 from zeroshard.errors import CheckpointError
+from zeroshard.interop.torch_pickle import open_inside
+
+MAX_METADATA_BYTES = 1 << 30
+MAX_DIMS = 64
+MAX_CHUNKS_PER_TENSOR = 1024  # the overlap check is pairwise
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -50,12 +56,13 @@ class _Restricted(pickle.Unpickler):
 
 
 def load_metadata(path: str) -> Any:
-    """The Metadata object of a DCP checkpoint's `.metadata` file."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise CheckpointError(path, exc.strerror or str(exc)) from None
+    """The Metadata object of a DCP checkpoint's `.metadata` file, checked (check_metadata)
+    against the files it points into before anything is allocated from it."""
+    fd, size = open_inside(path, os.path.dirname(path) or ".")
+    with os.fdopen(fd, "rb") as f:
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(path, f"is {size} bytes: too large for DCP metadata")
+        raw = f.read()
     try:
         metadata = _Restricted(io.BytesIO(raw)).load()
     except pickle.UnpicklingError as exc:
@@ -64,4 +71,129 @@ def load_metadata(path: str) -> Any:
         raise CheckpointError(path, f"not a readable DCP metadata file: {type(exc).__name__}: {exc}") from None
     if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
         raise CheckpointError(path, f"not DCP metadata (a {type(metadata).__name__})")
+    check_metadata(path, metadata)
     return metadata
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """`value` as a shape or offset (non-negative integers), None if it is not one."""
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
+        return None
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in value):
+        return None
+    return tuple(value)
+
+
+def _volume(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for d in sizes:
+        n *= d
+    return n
+
+
+def _check_tiling(path: str, key: str, size: tuple[int, ...], chunks: Any) -> list[tuple[tuple, tuple]]:
+    """The chunks of tensor `key` must tile it exactly once: in bounds, no two overlapping, and
+    (then equivalently) no gap."""
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS_PER_TENSOR:
+        raise CheckpointError(path, f"{key}: chunks must be a list of at most {MAX_CHUNKS_PER_TENSOR}")
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = _dims(getattr(chunk, "offsets", None)), _dims(getattr(chunk, "sizes", None))
+        if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+            raise CheckpointError(path, f"{key}: a chunk's offsets/sizes are not {len(size)} non-negative integers")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise CheckpointError(path, f"{key}: the chunk at {list(offsets)} of size {list(sizes)} lies outside "
+                                        f"the tensor's size {list(size)}")
+        boxes.append((offsets, sizes))
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1:]:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size)) \
+                    and _volume(a_size) and _volume(b_size):
+                raise CheckpointError(path, f"{key}: the chunks at {list(a_off)} and {list(b_off)} overlap")
+    covered = sum(_volume(s) for _, s in boxes)
+    if covered != _volume(size):
+        raise CheckpointError(path, f"{key}: the chunks cover {covered} of its {_volume(size)} elements")
+    return boxes
+
+
+def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
+    """storage_data: every entry a plain file name in the folder with a byte range inside that
+    file, no two ranges of a file overlapping. Returns {(fqn, offsets or None): info}."""
+    folder = os.path.dirname(path) or "."
+    if not isinstance(storage, dict):
+        raise CheckpointError(path, f"storage_data must be a dict, got {type(storage).__name__}")
+    sizes: dict[str, int] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    by_key = {}
+    for index, info in storage.items():
+        fqn, name = getattr(index, "fqn", None), getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(fqn, str):
+            raise CheckpointError(path, f"a storage entry names {type(fqn).__name__} {str(fqn)[:40]!r}, not a key")
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") or "\0" in name:
+            raise CheckpointError(path, f"{fqn}: storage path {str(name)[:80]!r} is not a file name in the folder")
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (offset, length)):
+            raise CheckpointError(path, f"{fqn}: storage offset/length {offset!r}/{length!r} are not "
+                                        "non-negative integers")
+        if name not in sizes:
+            fd, sizes[name] = open_inside(os.path.join(folder, name), folder)
+            os.close(fd)
+        if offset + length > sizes[name]:
+            raise CheckpointError(os.path.join(folder, name), f"{fqn}: bytes {offset}+{length} run past its end "
+                                                                f"({sizes[name]} bytes)")
+        ranges.setdefault(name, []).append((offset, length))
+        where = getattr(index, "offset", None)
+        dims = None if where is None else _dims(where)
+        if where is not None and dims is None:
+            raise CheckpointError(path, f"{fqn}: storage entry offset {str(where)[:60]} is not a position")
+        if info.transform_descriptors is not None and not isinstance(info.transform_descriptors, (list, tuple)):
+            raise CheckpointError(path, f"{fqn}: transform_descriptors is not a list")
+        by_key[(fqn, dims)] = info
+    for name, spans in ranges.items():
+        spans.sort()
+        for (a, alen), (b, _) in zip(spans, spans[1:]):
+            if a + alen > b:
+                raise CheckpointError(os.path.join(folder, name), f"two entries share bytes {b}..{a + alen}")
+    return by_key
+
+
+def check_metadata(path: str, metadata: Any) -> None:
+    """Every type, size, offset and count in `metadata` checked against the files before any data
+    is read: tensors' chunks tile them exactly once, each chunk has a byte range in a regular file
+    of the folder at least as long as its elements, ranges do not share bytes (so the tensors'
+    total size is bounded by the files' size)."""
+    import torch
+
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise CheckpointError(path, f"state_dict_metadata must be a dict, got {type(entries).__name__}")
+    planner = getattr(metadata, "planner_data", None)
+    if planner is not None and not isinstance(planner, dict):
+        raise CheckpointError(path, f"planner_data must be a dict, got {type(planner).__name__}")
+    tiles: dict[str, tuple[Any, list[tuple[tuple, tuple]]]] = {}
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise CheckpointError(path, f"a key is {type(key).__name__} {str(key)[:40]!r}, not a string")
+        kind = type(entry).__name__
+        if kind == "BytesStorageMetadata":
+            continue
+        if kind != "TensorStorageMetadata":
+            raise CheckpointError(path, f"{key}: a {kind}, not tensor or bytes metadata")
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        size = _dims(getattr(entry, "size", None))
+        if not isinstance(dtype, torch.dtype) or size is None:
+            raise CheckpointError(path, f"{key}: no dtype, or a size that is not non-negative integers")
+        tiles[key] = (dtype, _check_tiling(path, key, size, getattr(entry, "chunks", None)))
+    storage = _check_storage(path, metadata.storage_data)
+    stored_keys = {k for k, _ in storage}
+    for key in entries:
+        if key not in tiles and key not in stored_keys:
+            raise CheckpointError(path, f"{key}: no storage entry")
+    for key, (dtype, boxes) in tiles.items():
+        for offsets, sizes in boxes:
+            info = storage.get((key, offsets))
+            if info is None:
+                raise CheckpointError(path, f"{key}: no storage for the chunk at offset {list(offsets)}")
+            if info.length < _volume(sizes) * dtype.itemsize:
+                raise CheckpointError(path, f"{key}: the chunk at {list(offsets)} holds {_volume(sizes)} elements "
+                                            f"but its storage is only {info.length} bytes")

@@ -18,7 +18,6 @@ Only data-parallel checkpoints (mp_rank_00 only, no pipeline) are read.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop.imported import Imported, optimizer_class_of
-from zeroshard.interop.torch_pickle import load_pt
+from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth, read_small_file
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
 DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -35,19 +34,60 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
            "ds_version", "checkpoint_parallel_dimensions", "moe_layers", "autoep_layers", "ds_autoep_layers"}
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MAX_LATEST_BYTES = 4096  # `latest` holds one tag name
+MAX_DIMS = 64
+
+
+def _int_field(where: str, value: Any, what: str, default: int = 0) -> int:
+    """An integer field of a DeepSpeed file (a 0-d tensor or int); CheckpointError naming `where` otherwise."""
+    if value is None:
+        return default
+    if hasattr(value, "dim") and value.dim() == 0 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(where, f"{what} must be an integer, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
+
+
+def _check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[int, ...]]]:
+    """param_shapes: a list of {name: shape}, every dimension a non-negative integer; bounded
+    here so no absurd or negative size reaches an allocation."""
+    if not isinstance(groups_shapes, (list, tuple)):
+        raise CheckpointError(where, f"param_shapes must be a list of groups, got {type(groups_shapes).__name__}")
+    checked = []
+    for g, shapes in enumerate(groups_shapes):
+        if not isinstance(shapes, dict):
+            raise CheckpointError(where, f"param_shapes[{g}] must be a dict of name -> shape")
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str):
+                raise CheckpointError(where, f"param_shapes[{g}] has a non-string name {name!r}")
+            dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+            if dims is None or len(dims) > MAX_DIMS or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                                           for d in dims):
+                raise CheckpointError(where, f"param_shapes[{g}][{name!r}]: {str(shape)[:60]} is not a shape "
+                                             "(non-negative integer dimensions)")
+            group[name] = dims
+        checked.append(group)
+    return checked
 
 
 def resolve_tag_folder(src: str) -> str:
     """`src` itself if it holds DeepSpeed rank files, else the folder its `latest` names."""
     if not os.path.isdir(src):
         raise CheckpointError(src, "no such DeepSpeed checkpoint folder")
-    if glob.glob(os.path.join(src, "*_optim_states.pt")):
+    if any(_OPTIM.match(name) for name in os.listdir(src)):  # listdir, not glob: `lr[3e-4]` is a plain name
         return src
     latest = os.path.join(src, "latest")
-    if os.path.isfile(latest):
-        tag = open(latest, encoding="utf-8").read().strip()
+    if os.path.lexists(latest):
+        raw = read_small_file(latest, MAX_LATEST_BYTES)
+        try:
+            tag = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(latest, "is not UTF-8 text (it should name the tag folder)") from None
         folder = os.path.join(src, tag)
-        if os.sep in tag or tag in ("", ".", "..") or not os.path.isdir(folder):
+        if os.sep in tag or "\0" in tag or tag in ("", ".", "..") or not os.path.isdir(folder) \
+                or os.path.islink(folder):
             raise CheckpointError(latest, f"names {tag!r}, which is not a checkpoint folder inside {src}")
         return folder
     raise CheckpointError(src, "not a DeepSpeed checkpoint: no *_optim_states.pt files and no 'latest'")
@@ -72,7 +112,7 @@ def read_deepspeed(src: str) -> Imported:
     folder = resolve_tag_folder(src)
     try:
         return _read(folder)
-    except (KeyError, IndexError, AttributeError, TypeError) as exc:  # a layout we do not know
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a layout unknown
         raise CheckpointError(folder, f"unexpected DeepSpeed checkpoint layout ({type(exc).__name__}: {exc}); "
                                       "ZeRO 1/2/3 data-parallel checkpoints are supported") from None
 
@@ -80,17 +120,18 @@ def read_deepspeed(src: str) -> Imported:
 def _read(folder: str) -> Imported:
     optim_paths = _optim_files(folder)
     world = len(optim_paths)
-    optims = [load_pt(p) for p in optim_paths]
+    optims = [load_pt(p, folder) for p in optim_paths]
     osds = []
     for path, sd in zip(optim_paths, optims):
         if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
             raise CheckpointError(path, "not a DeepSpeed ZeRO optimizer file (no optimizer_state_dict)")
         osds.append(sd["optimizer_state_dict"])
-    stage = int(osds[0].get("zero_stage", -1))
+    stage = _int_field(optim_paths[0], osds[0].get("zero_stage"), "zero_stage", -1)
     if stage not in (1, 2, 3):
         raise CheckpointError(optim_paths[0], f"unsupported ZeRO stage {stage} (1, 2 or 3 expected)")
     parts = osds[0].get("partition_count")
-    parts = max(parts) if isinstance(parts, list) else parts
+    parts = max(parts) if isinstance(parts, list) and parts else parts
+    parts = _int_field(optim_paths[0], parts, "partition_count", -1)
     if parts != world:
         raise CheckpointError(folder, f"the optimizer files say {parts} partitions but {world} files are present")
 
@@ -98,11 +139,15 @@ def _read(folder: str) -> Imported:
                               else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if not os.path.isfile(model_path):
         raise CheckpointError(model_path, "missing: the model-states file of this checkpoint")
-    model = load_pt(model_path)
+    model = load_pt(model_path, folder)
     if not isinstance(model, dict) or "param_shapes" not in model or "buffer_names" not in model:
         raise CheckpointError(model_path, "not a DeepSpeed model-states file (no param_shapes/buffer_names)")
-    groups_shapes: list[dict[str, Any]] = list(model["param_shapes"])
+    if nesting_depth(model) > MAX_NESTING:
+        raise CheckpointError(model_path, f"nested deeper than {MAX_NESTING} levels (client_state?)")
+    groups_shapes = _check_param_shapes(model_path, model["param_shapes"])
     ds_config = model.get("ds_config") or {}
+    if not isinstance(ds_config, dict):
+        raise CheckpointError(model_path, f"ds_config must be a dict, got {type(ds_config).__name__}")
     imp = Imported(source=f"deepspeed:{os.path.abspath(folder)}", params={}, zero_stage=stage, world_size=world)
 
     if stage < 3:
@@ -134,9 +179,11 @@ def _read(folder: str) -> Imported:
     if model.get("frozen_param_shapes"):
         imp.notes.append("frozen parameters were left out: " + ", ".join(model["frozen_param_shapes"]))
 
-    imp.global_steps = int(model.get("global_steps") or 0)
-    imp.skipped_steps = int(model.get("skipped_steps") or 0)
-    imp.micro_steps = imp.global_steps * int(ds_config.get("gradient_accumulation_steps") or 1)
+    imp.global_steps = _int_field(model_path, model.get("global_steps"), "global_steps")
+    imp.skipped_steps = _int_field(model_path, model.get("skipped_steps"), "skipped_steps")
+    accumulation = _int_field(model_path, ds_config.get("gradient_accumulation_steps"),
+                              "ds_config.gradient_accumulation_steps", 1)
+    imp.micro_steps = imp.global_steps * accumulation
     if (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
         imp.compute_dtype = "BF16"
     elif (ds_config.get("fp16") or {}).get("enabled"):

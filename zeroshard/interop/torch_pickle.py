@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from typing import Any
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, StorageError
+from zeroshard.storage.location import open_regular_file
+
+MAX_NESTING = 100  # containers inside containers in a foreign file: deeper is refused, not recursed into
 
 
 class LossScalerStandIn:
@@ -49,19 +53,61 @@ STAND_INS = [
 ]
 
 
-def load_pt(path: str) -> Any:
+def open_inside(path: str, folder: str) -> tuple[int, int]:
+    """(descriptor, size) of the regular file at `path`, which must resolve inside `folder`: a
+    link leading out of the checkpoint folder, a FIFO (which would hang the read), a device or a
+    folder is refused with an error naming `path`."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointError(path, f"is a link leading out of the checkpoint folder (to {real})")
+    try:
+        return open_regular_file(real, path, follow_links=False)
+    except StorageError as exc:
+        raise CheckpointError(path, exc.problem) from None
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """The whole of a small regular file (a FIFO or device refused, not waited on); CheckpointError
+    naming `path` if it is larger than `limit` bytes."""
+    try:
+        fd, size = open_regular_file(path, path, follow_links=True)
+    except StorageError as exc:
+        raise CheckpointError(path, exc.problem) from None
+    with os.fdopen(fd, "rb") as f:
+        if size > limit:
+            raise CheckpointError(path, f"is {size} bytes, more than the {limit} such a file can hold")
+        return f.read(limit + 1)[:limit]
+
+
+def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
+    """How deeply dicts/lists/tuples nest in `value`, counted without recursion (stops past `limit`)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_pt(path: str, folder: str | None = None) -> Any:
     """The object in the torch pickle at `path` (CPU tensors); CheckpointError if it names
-    anything outside the allowlist or cannot be read."""
+    anything outside the allowlist or cannot be read. `folder`: the checkpoint folder `path`
+    must stay inside (default: its own folder)."""
     import pickle
 
     import torch
 
+    fd, _ = open_inside(path, folder or os.path.dirname(path) or ".")
     try:
-        with torch.serialization.safe_globals(STAND_INS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with os.fdopen(fd, "rb") as f, torch.serialization.safe_globals(STAND_INS):
+            return torch.load(f, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(path, f"refused to unpickle: {_first_line(exc)}") from None
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except (RuntimeError, EOFError, ValueError, MemoryError, RecursionError, IndexError, KeyError) as exc:
         raise CheckpointError(path, f"not a readable torch file: {_first_line(exc)}") from None
     except OSError as exc:
         raise CheckpointError(path, exc.strerror or str(exc)) from None

@@ -12,26 +12,33 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from zeroshard.format import (
-    TensorSpec,
-    build_manifest,
-    commit_checkpoint,
-    prepare_output_folder,
-    rank_contents,
-    write_rank_file,
-)
+from zeroshard.errors import ZeroshardError
+from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
 from zeroshard.format.manifest import Manifest
+from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.format.training_state import optimizer_key
 from zeroshard.interop.imported import Imported
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import dtype_name
 
 
+def check_world_size(world_size: int | None) -> None:
+    """Refuse a target world size below 1 (before anything is read or touched)."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ZeroshardError(f"--world must be at least 1, got {world_size}")
+
+
+@output_transaction
 def write_imported(imp: Imported, out: str, world_size: int | None = None, *, tag: str = "imported",
-                   overwrite: bool = False, storage_options: dict | None = None) -> Manifest:
-    """Write `imp` as a `world_size`-rank checkpoint (default: the source's) at `out`."""
+                   overwrite: bool = False, storage_options: dict | None = None, source: str | None = None) -> Manifest:
+    """Write `imp` as a `world_size`-rank checkpoint (default: the source's) at `out`.
+
+    Through the toolkit's output discipline (format.output, docs/SAFETY.md): `out` may not be,
+    contain or lie inside `source` (the folder read), it is claimed, and the new files are staged
+    and moved in only once complete, so a failure leaves the old output (if any) whole."""
     import torch
 
+    check_world_size(world_size)
     world = world_size or imp.world_size
     specs: list[TensorSpec] = []
     data: dict[str, Any] = {}
@@ -53,9 +60,11 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         write(memoryview(part.view(torch.uint8).numpy()))
 
     target = Location(out, storage_options)
-    previous = prepare_output_folder(target, overwrite)
+    # staged even into an empty folder: a killed import then leaves a stage `zeroshard clean`
+    # removes, never rank files without a manifest
+    output = prepare_output(target, overwrite, inputs=[Location(source)] if source else [], stage_always=True)
     checkpoint_id = uuid.uuid4().hex
-    results = [write_rank_file(target, checkpoint_id, rank, world, rank_contents(specs, world, rank), fill,
+    results = [write_rank_file(output.stage, checkpoint_id, rank, world, rank_contents(specs, world, rank), fill,
                                durable=False) for rank in range(world)]
     engine = {"zero_stage": imp.zero_stage, "world_size": world, "shard_world_size": world if imp.zero_stage else 1,
               "global_steps": imp.global_steps, "micro_steps": imp.micro_steps, "skipped_steps": imp.skipped_steps,
@@ -68,5 +77,5 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         client_state=imp.client_state, aliases=imp.aliases,
         extra={"engine": engine, "stateful": {"lr_scheduler": imp.lr_scheduler} if imp.lr_scheduler is not None else {},
                "source": imp.source, "import_notes": imp.notes})
-    commit_checkpoint(target, manifest, previous, sync_files=True)
+    output.commit_checkpoint(manifest, sync_files=True)
     return manifest

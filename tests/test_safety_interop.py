@@ -1,0 +1,558 @@
+"""Imports (DeepSpeed, DCP) and DCP export, tried as an adversary would (issue 17): outputs never
+destroy inputs or old outputs, foreign metadata is checked before anything is allocated from it,
+FIFOs/devices/folders/escaping links are refused on open, pickles never run code. Every failure
+is one line naming the file, with inputs and previous outputs byte-identical.
+
+Real inputs only: the DeepSpeed fixtures made by real DeepSpeed (tests/data/deepspeed) and DCP
+checkpoints written here by torch.distributed.checkpoint.save itself."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from zeroshard.cli import main
+from zeroshard.interop.dcp_metadata import load_metadata
+from zeroshard.storage import Location
+from zeroshard.storage.claim import take_claim
+
+from test_bad_input import _cli_with_file_size_limit
+
+FIXTURES = Path(__file__).parent / "data" / "deepspeed"
+TAG = "global_step3"
+pytestmark = pytest.mark.timeout(120)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under `folder` (hidden ones included, links not followed), by relative path ->
+    SHA-256 of a file, the target of a link, or its kind (reading a FIFO would block)."""
+    out = {}
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = Path(parent) / name
+            if p.is_symlink():
+                out[str(p.relative_to(folder))] = "link:" + os.readlink(p)
+            elif p.is_file():
+                out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                out[str(p.relative_to(folder))] = "folder" if p.is_dir() else "special"
+    return out
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [*args, "-q"])
+    return result.exit_code, result.output
+
+
+def assert_refused(code: int, output: str, *needles: str) -> None:
+    assert code != 0, output
+    assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+    for needle in needles:
+        assert needle in output, output
+
+
+def ds_copy(tmp_path: Path, stage: int = 2, name: str = "ds") -> Path:
+    """A writable copy of a real DeepSpeed checkpoint root (latest + tag folder)."""
+    root = tmp_path / name
+    shutil.copytree(FIXTURES / f"stage{stage}", root)
+    return root
+
+
+def resave(path: Path, edit) -> None:
+    """Load a real DeepSpeed file (trusted: our own fixture, DeepSpeed installed), edit, save back."""
+    obj = torch.load(path, weights_only=False)
+    edit(obj)
+    torch.save(obj, path)
+
+
+def save_dcp(folder: Path) -> Path:
+    """A real DCP checkpoint in FSDP2's {"model", "optim"} layout, written by dcp.save itself."""
+    import torch.distributed.checkpoint as dcp
+
+    w, b = torch.randn(4, 3), torch.randn(2)
+    state = {"model": {"w": w, "b": b},
+             "optim": {"state": {"w": {"exp_avg": torch.randn(4, 3), "step": torch.tensor(3.0)}},
+                       "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    return folder
+
+
+def edit_metadata(folder: Path, edit) -> None:
+    """Rewrite `.metadata` with `edit(metadata)` applied (a plain pickle, as DCP writes it)."""
+    metadata = load_metadata(str(folder / ".metadata"))
+    edit(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def zs_ckpt(tmp_path: Path, name: str = "ck") -> Path:
+    out = tmp_path / name
+    assert cli("import", "deepspeed", str(FIXTURES / "stage2"), str(out))[0] == 0
+    return out
+
+
+# ---- export dcp: outputs ----------------------------------------------------------------------
+def test_export_onto_its_own_input_is_refused(tmp_path):
+    ck = zs_ckpt(tmp_path)
+    before = snapshot(ck)
+    for out in (ck, ck / ".", ck / "sub"):
+        assert_refused(*cli("export", "dcp", str(ck), str(out), "--overwrite"), "input")
+    assert snapshot(ck) == before
+
+
+def test_export_onto_the_root_of_a_run_is_refused(tmp_path):
+    root = tmp_path / "run"
+    for step in ("step-1", "step-2"):
+        assert cli("import", "deepspeed", str(FIXTURES / "stage2"), str(root / step))[0] == 0
+    (root / "latest").write_text("step-2\n")
+    before = snapshot(root)
+    assert_refused(*cli("export", "dcp", str(root / "step-2"), str(root), "--overwrite"), "contains")
+    assert_refused(*cli("export", "dcp", str(root), str(root / "step-3")), "inside")
+    assert snapshot(root) == before
+
+
+def test_export_over_an_existing_output_needs_overwrite_and_then_replaces_it_cleanly(tmp_path):
+    ck = zs_ckpt(tmp_path)
+    out = tmp_path / "dcp"
+    assert cli("export", "dcp", str(ck), str(out))[0] == 0
+    (out / "__9_0.distcp").write_bytes(b"stale data file of an older export")
+    before = snapshot(out)
+    assert_refused(*cli("export", "dcp", str(ck), str(out)), str(out))
+    assert snapshot(out) == before
+    assert cli("export", "dcp", str(ck), str(out), "--overwrite")[0] == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".metadata", "__0_0.distcp"], names  # stale file gone, no stage, no claim
+    assert cli("import", "dcp", str(out), str(tmp_path / "back"))[0] == 0
+
+
+def test_failed_export_overwrite_keeps_the_old_export(tmp_path):
+    ck = zs_ckpt(tmp_path)
+    out = tmp_path / "dcp"
+    assert cli("export", "dcp", str(ck), str(out))[0] == 0
+    before = snapshot(out)
+    limit = (out / "__0_0.distcp").stat().st_size // 2
+    result = _cli_with_file_size_limit(limit, "export", "dcp", "-q", "--overwrite", str(ck), str(out))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert snapshot(out) == before
+    assert cli("import", "dcp", str(out), str(tmp_path / "back"))[0] == 0
+
+
+def test_export_into_an_output_with_a_live_claim_is_refused(tmp_path):
+    ck = zs_ckpt(tmp_path)
+    out = tmp_path / "dcp"
+    assert cli("export", "dcp", str(ck), str(out))[0] == 0
+    before = snapshot(out)
+    held = take_claim(Location(str(out)))  # another writer, alive (this very process)
+    try:
+        assert_refused(*cli("export", "dcp", str(ck), str(out), "--overwrite"), str(out))
+        assert {k: v for k, v in snapshot(out).items() if not k.startswith(".zeroshard-claim")} == before
+    finally:
+        held.release()
+
+
+KILLED_BEFORE_DCP_COMMIT = (
+    "import os, signal, sys\n"
+    "import torch.distributed.checkpoint as dcp\n"
+    "def dying(self, metadata, results): os.kill(os.getpid(), signal.SIGKILL)\n"
+    "dcp.FileSystemWriter.finish = dying\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_killed_export_leaves_only_what_clean_removes(tmp_path, existing):
+    """SIGKILL after DCP wrote its data files, before `.metadata`: the old export (if any) is
+    whole, and `zeroshard clean` removes every leftover (no orphan .distcp beside the output)."""
+    ck = zs_ckpt(tmp_path)
+    out = tmp_path / "dcp"
+    if existing:
+        assert cli("export", "dcp", str(ck), str(out))[0] == 0
+    before = snapshot(out) if existing else {}
+    result = subprocess.run([sys.executable, "-c", KILLED_BEFORE_DCP_COMMIT, "export", "dcp", "-q", "--overwrite",
+                             str(ck), str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert [p for p in out.iterdir() if p.name.startswith(".zeroshard-")], "expected a stage and a claim"
+    code, output = cli("clean", str(out), "--older-than", "0s", "--yes")
+    assert code == 0, output
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", ["export", "deepspeed", "dcp"])
+def test_output_that_is_an_existing_file_is_refused_and_kept(tmp_path, kind):
+    src = zs_ckpt(tmp_path) if kind == "export" else ds_copy(tmp_path) if kind == "deepspeed" \
+        else save_dcp(tmp_path / "dcp")
+    target = tmp_path / "file"
+    target.write_bytes(b"precious")
+    args = ("export", "dcp") if kind == "export" else ("import", kind)
+    assert_refused(*cli(*args, str(src), str(target), "--overwrite"), str(target))
+    assert target.read_bytes() == b"precious"
+
+
+# ---- imports: outputs ----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["deepspeed", "dcp"])
+def test_import_into_its_own_source_is_refused(tmp_path, kind):
+    src = ds_copy(tmp_path) if kind == "deepspeed" else save_dcp(tmp_path / "dcp")
+    before = snapshot(src)
+    outs = [src, src / "out"] + ([src / TAG] if kind == "deepspeed" else [])
+    for out in outs:
+        assert_refused(*cli("import", kind, str(src), str(out), "--overwrite"), "input")
+    assert snapshot(src) == before
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "dcp"])
+@pytest.mark.parametrize("world", ["-1", "0"])
+def test_import_with_a_world_below_one_touches_nothing(tmp_path, kind, world):
+    src = ds_copy(tmp_path) if kind == "deepspeed" else save_dcp(tmp_path / "dcp")
+    out = tmp_path / "out"
+    assert cli("import", kind, str(src), str(out))[0] == 0
+    before = snapshot(out)
+    assert_refused(*cli("import", kind, str(src), str(out), "--overwrite", "--world", world), "--world")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "dcp"])
+def test_failed_import_overwrite_keeps_the_old_output(tmp_path, kind):
+    src = ds_copy(tmp_path) if kind == "deepspeed" else save_dcp(tmp_path / "dcp")
+    out = tmp_path / "out"
+    assert cli("import", kind, str(src), str(out), "--world", "1")[0] == 0
+    before = snapshot(out)
+    limit = max(p.stat().st_size for p in out.iterdir()) // 2
+    result = _cli_with_file_size_limit(limit, "import", kind, "-q", "--overwrite", str(src), str(out), "--world", "1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert snapshot(out) == before
+    assert cli("verify", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "dcp"])
+def test_import_into_an_output_with_a_live_claim_is_refused(tmp_path, kind):
+    src = ds_copy(tmp_path) if kind == "deepspeed" else save_dcp(tmp_path / "dcp")
+    out = tmp_path / "out"
+    assert cli("import", kind, str(src), str(out))[0] == 0
+    before = snapshot(out)
+    held = take_claim(Location(str(out)))
+    try:
+        assert_refused(*cli("import", kind, str(src), str(out), "--overwrite"), str(out))
+        assert {k: v for k, v in snapshot(out).items() if not k.startswith(".zeroshard-claim")} == before
+    finally:
+        held.release()
+
+
+KILLED_BEFORE_IMPORT_COMMIT = (
+    "import os, signal, sys\n"
+    "from zeroshard.interop import write\n"
+    "def dying(*args, **kwargs): os.kill(os.getpid(), signal.SIGKILL)\n"
+    "write.build_manifest = dying\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_killed_import_leaves_only_what_clean_removes(tmp_path, existing):
+    """SIGKILL once every rank file is written, before the manifest: the old output (if any) is
+    whole, and after `zeroshard clean` nothing of the killed run is left (no manifest-less rank files)."""
+    src = ds_copy(tmp_path)
+    out = tmp_path / "out"
+    if existing:
+        assert cli("import", "deepspeed", str(src), str(out))[0] == 0
+    before = snapshot(out) if existing else {}
+    result = subprocess.run([sys.executable, "-c", KILLED_BEFORE_IMPORT_COMMIT, "import", "deepspeed", "-q",
+                             "--overwrite", str(src), str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert [p for p in out.iterdir() if p.name.startswith(".zeroshard-")], "expected a stage and a claim"
+    code, output = cli("clean", str(out), "--older-than", "0s", "--yes")
+    assert code == 0, output
+    assert snapshot(out) == before
+
+
+def test_deepspeed_latest_naming_a_link_out_of_the_root_is_refused(tmp_path):
+    root = ds_copy(tmp_path)
+    shutil.move(root / TAG, tmp_path / "elsewhere")
+    (root / TAG).symlink_to(tmp_path / "elsewhere")
+    _refused_import(root, tmp_path, "latest")
+
+
+# ---- import deepspeed: hostile folders and files ------------------------------------------
+def _refused_import(src: Path, tmp_path: Path, *needles: str) -> None:
+    before = snapshot(src)
+    assert_refused(*cli("import", "deepspeed", str(src), str(tmp_path / "out")), *needles)
+    assert snapshot(src) == before
+    assert not (tmp_path / "out" / "zeroshard.json").exists()
+
+
+OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+MODEL = "mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize("victim", [OPTIM1, MODEL])
+@pytest.mark.parametrize("what", ["fifo", "folder"])
+def test_deepspeed_fifo_or_folder_instead_of_a_rank_file_is_refused_without_hanging(tmp_path, victim, what):
+    root = ds_copy(tmp_path)
+    path = root / TAG / victim
+    path.unlink()
+    os.mkfifo(path) if what == "fifo" else path.mkdir()
+    _refused_import(root, tmp_path, victim)
+
+
+def test_deepspeed_rank_file_linked_out_of_the_folder_is_refused(tmp_path):
+    root = ds_copy(tmp_path)
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(root / TAG / OPTIM1, outside)  # the very same bytes: only the link is wrong
+    (root / TAG / OPTIM1).symlink_to(outside)
+    _refused_import(root, tmp_path, OPTIM1, "link")
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\xfa", b"global_step3" * 500_000, "fifo"],
+                         ids=["not-utf8", "5MB", "fifo"])
+def test_deepspeed_bad_latest_is_one_line_naming_it(tmp_path, content):
+    root = ds_copy(tmp_path)
+    (root / "latest").unlink()
+    os.mkfifo(root / "latest") if content == "fifo" else (root / "latest").write_bytes(content)
+    _refused_import(root, tmp_path, "latest")
+
+
+def test_deepspeed_checkpoint_under_a_folder_with_glob_characters_imports(tmp_path):
+    root = ds_copy(tmp_path, name="lr[3e-4]*?")
+    for src in (root, root / TAG):
+        out = tmp_path / f"out-{src.name}"
+        code, output = cli("import", "deepspeed", str(src), str(out))
+        assert code == 0, output
+        assert cli("verify", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("field, value", [("global_steps", "two"), ("skipped_steps", 1.5),
+                                          ("param_shapes", "nope")])
+def test_deepspeed_model_field_of_the_wrong_type_is_one_line(tmp_path, field, value):
+    root = ds_copy(tmp_path)
+    resave(root / TAG / MODEL, lambda m: m.__setitem__(field, value))
+    _refused_import(root, tmp_path, MODEL, field)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("shape", [[-4, 3], [10**12, 10**12], ["two"]], ids=["negative", "absurd", "not-int"])
+def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp_path, shape, stage):
+    root = ds_copy(tmp_path, stage)
+    model = MODEL if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+    def edit(model):
+        first = next(iter(model["param_shapes"][0]))
+        model["param_shapes"][0][first] = shape
+
+    resave(root / TAG / model, edit)
+    _refused_import(root, tmp_path, "param_shapes")  # the model file's, or the optimizer files' they exceed
+
+
+def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
+    root = ds_copy(tmp_path)
+    nested: list = []
+    for _ in range(3000):
+        nested = [nested]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
+    try:
+        resave(root / TAG / MODEL, lambda m: m.__setitem__("my_client_state", nested))
+    finally:
+        sys.setrecursionlimit(limit)
+    _refused_import(root, tmp_path, MODEL)
+
+
+@pytest.mark.parametrize("field, value", [("zero_stage", "two"), ("partition_count", [3])])
+def test_deepspeed_optimizer_field_wrong_is_one_line(tmp_path, field, value):
+    root = ds_copy(tmp_path)
+    for rank in (0, 1):
+        resave(root / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+               lambda o: o["optimizer_state_dict"].__setitem__(field, value))
+    _refused_import(root, tmp_path, TAG)
+
+
+def test_deepspeed_missing_or_extra_rank_files_are_refused(tmp_path):
+    root = ds_copy(tmp_path)
+    (root / TAG / OPTIM1).unlink()
+    _refused_import(root, tmp_path, "partitions")  # rank 0 says 2 partitions, 1 file present
+    root = ds_copy(tmp_path, name="ds-extra")
+    shutil.copy(root / TAG / OPTIM1, root / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    _refused_import(root, tmp_path, "partitions")
+    root = ds_copy(tmp_path, name="ds-gap")
+    shutil.move(root / TAG / OPTIM1, root / TAG / "zero_pp_rank_5_mp_rank_00_optim_states.pt")
+    _refused_import(root, tmp_path, "ranks")
+
+
+def test_deepspeed_pickle_naming_a_stand_in_module_function_runs_nothing(tmp_path):
+    """A pickle reaching for a callable that is not on the allowlist, placed where DeepSpeed's own
+    class names are expected: refused before it is called."""
+    root = ds_copy(tmp_path)
+    side = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(side)],))
+
+    resave(root / TAG / MODEL, lambda m: m.__setitem__("client", {"x": Evil()}))
+    _refused_import(root, tmp_path, MODEL, "refused")
+    assert not side.exists()
+
+
+# ---- import dcp: hostile metadata and files ---------------------------------------------------
+def _refused_dcp(src: Path, tmp_path: Path, *needles: str) -> None:
+    before = snapshot(src)
+    assert_refused(*cli("import", "dcp", str(src), str(tmp_path / "out")), *needles)
+    assert snapshot(src) == before
+    assert not (tmp_path / "out" / "zeroshard.json").exists()
+
+
+def _chunks(metadata, key: str, boxes: list[tuple[tuple, tuple]]) -> None:
+    """Give tensor `key` the chunks `boxes`, each with a storage entry copying the original's range."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    entry = metadata.state_dict_metadata[key]
+    original = next(k for k in metadata.storage_data if k.fqn == key)
+    info = metadata.storage_data.pop(original)
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
+    for i, (o, _) in enumerate(boxes):
+        metadata.storage_data[MetadataIndex(key, torch.Size(o), i)] = info
+
+
+@pytest.mark.parametrize("boxes, needle", [
+    ([((0, 0), (2, 3)), ((1, 0), (2, 3))], "overlap"),  # 12 elements counted, row 3 never written
+    ([((0, 0), (2, 3))], "cover"),
+    ([((0, 0), (4, 3)), ((3, 0), (2, 3))], "outside"),
+], ids=["overlap-same-count", "gap", "out-of-bounds"])
+def test_dcp_chunks_must_tile_each_tensor_exactly_once(tmp_path, boxes, needle):
+    src = save_dcp(tmp_path / "dcp")
+    edit_metadata(src, lambda m: _chunks(m, "model.w", boxes))
+    _refused_dcp(src, tmp_path, ".metadata", "model.w", needle)
+
+
+@pytest.mark.parametrize("size", [(-4, 3), (10**9, 10**9), (2**62,)], ids=["negative", "absurd", "absurd-1d"])
+def test_dcp_absurd_or_negative_tensor_sizes_never_reach_the_allocator(tmp_path, size):
+    src = save_dcp(tmp_path / "dcp")
+
+    def edit(m):
+        m.state_dict_metadata["model.w"].size = torch.Size(size)
+        _chunks(m, "model.w", [((0,) * len(size), size)] if min(size) >= 0 else [((0, 0), (4, 3))])
+
+    edit_metadata(src, edit)
+    _refused_dcp(src, tmp_path, ".metadata", "model.w")
+
+
+@pytest.mark.parametrize("field, value", [("offset", -1), ("length", 10**15), ("offset", 10**15),
+                                          ("length", "two"), ("relative_path", 5),
+                                          ("relative_path", "../elsewhere.distcp"), ("relative_path", "missing")])
+def test_dcp_bad_storage_entries_are_one_line(tmp_path, field, value):
+    src = save_dcp(tmp_path / "dcp")
+    (tmp_path / "elsewhere.distcp").write_bytes((src / "__0_0.distcp").read_bytes())
+
+    def edit(m):
+        key = next(k for k in m.storage_data if k.fqn == "model.w")
+        setattr(m.storage_data[key], field, value)
+
+    edit_metadata(src, edit)
+    _refused_dcp(src, tmp_path, "model.w" if field != "relative_path" or value != "missing" else "missing")
+
+
+def test_dcp_chunk_storage_shorter_than_its_elements_is_refused(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+
+    def edit(m):
+        key = next(k for k in m.storage_data if k.fqn == "model.w")
+        m.storage_data[key].length = 8  # 12 float32 elements cannot fit in 8 bytes
+        m.state_dict_metadata["model.w"].size = torch.Size((4, 3))
+
+    edit_metadata(src, edit)
+    _refused_dcp(src, tmp_path, "model.w", "8 bytes")
+
+
+def test_dcp_two_entries_sharing_bytes_are_refused(tmp_path):
+    """Entries pointing at the same bytes would let a small file claim huge tensors."""
+    src = save_dcp(tmp_path / "dcp")
+
+    def edit(m):
+        w = next(k for k in m.storage_data if k.fqn == "model.w")
+        b = next(k for k in m.storage_data if k.fqn == "model.b")
+        m.storage_data[b].offset = m.storage_data[w].offset
+
+    edit_metadata(src, edit)
+    _refused_dcp(src, tmp_path, "__0_0.distcp", "share")
+
+
+def test_dcp_bytes_entry_without_storage_is_refused(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    edit_metadata(src, lambda m: m.storage_data.pop(next(k for k in m.storage_data if k.fqn.endswith(".lr"))))
+    _refused_dcp(src, tmp_path, ".metadata", "lr", "no storage")
+
+
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp"])
+@pytest.mark.parametrize("what", ["fifo", "folder", "link-out"])
+def test_dcp_fifo_folder_or_escaping_link_is_refused_without_hanging(tmp_path, victim, what):
+    src = save_dcp(tmp_path / "dcp")
+    path = src / victim
+    if what == "link-out":
+        shutil.move(path, tmp_path / victim)
+        path.symlink_to(tmp_path / victim)
+    else:
+        path.unlink()
+        os.mkfifo(path) if what == "fifo" else path.mkdir()
+    _refused_dcp(src, tmp_path, victim)
+
+
+def test_dcp_truncated_data_file_is_refused(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    data = src / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    _refused_dcp(src, tmp_path, "__0_0.distcp", "past its end")
+
+
+def test_dcp_hostile_pickle_in_a_data_blob_runs_nothing(tmp_path):
+    """A chunk's bytes replaced by a torch.save'd object whose unpickling would run a command."""
+    src = save_dcp(tmp_path / "dcp")
+    side = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {side}",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": Evil()}, evil)
+    (src / "evil.distcp").write_bytes(evil.read_bytes())
+
+    def edit(m):
+        key = next(k for k in m.storage_data if k.fqn == "optim.param_groups.0.lr")
+        m.storage_data[key].relative_path, m.storage_data[key].offset = "evil.distcp", 0
+        m.storage_data[key].length = evil.stat().st_size
+
+    edit_metadata(src, edit)
+    _refused_dcp(src, tmp_path, "evil.distcp", "refused")
+    assert not side.exists()
+
+
+def test_dcp_too_many_chunks_or_a_non_string_key_is_refused(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    edit_metadata(src, lambda m: _chunks(m, "model.b", [((0,), (0,))] * 2000 + [((0,), (2,))]))
+    _refused_dcp(src, tmp_path, ".metadata", "model.b", "at most")
+    src = save_dcp(tmp_path / "dcp2")
+    edit_metadata(src, lambda m: m.state_dict_metadata.__setitem__(7, m.state_dict_metadata["model.b"]))
+    _refused_dcp(src, tmp_path, ".metadata", "not a string")
+
+
+def test_dcp_metadata_of_the_wrong_types_is_one_line(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    edit_metadata(src, lambda m: setattr(m, "storage_data", ["not", "a", "dict"]))
+    _refused_dcp(src, tmp_path, ".metadata", "storage_data")
+    src = save_dcp(tmp_path / "dcp2")
+    edit_metadata(src, lambda m: setattr(m.state_dict_metadata["model.w"].properties, "dtype", "float32"))
+    _refused_dcp(src, tmp_path, ".metadata", "model.w")
