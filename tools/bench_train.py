@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo on CPU ranks; cuda: NCCL, one GPU per rank (LOCAL_RANK), times synchronized")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, interleaved; step ms = median over rounds "
@@ -129,14 +131,23 @@ def worker(args: argparse.Namespace) -> None:
     from samples.gpt import GPT, GPTConfig, lm_loss
 
     method = args.worker
+    cuda = args.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if method.startswith("ds"):
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=backend)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = args.dtype == "bf16"
+
+    def sync() -> None:  # CUDA work is asynchronous: a step's time ends when its kernels do
+        if cuda:
+            torch.cuda.synchronize(device)
 
     tok, train_ids, _ = load_dataset()
     cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -144,6 +155,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     n_params = model.num_params()
+    if cuda and not method.startswith("zs"):  # zeroshard places the model on its device itself
+        model = model.to(device)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -152,12 +165,12 @@ def worker(args: argparse.Namespace) -> None:
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
 
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
 
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model, gradient_as_bucket_view=True)
+        net = DDP(model, gradient_as_bucket_view=True, device_ids=[device.index] if cuda else None)
         opt = adamw(net.parameters())
 
         def forward(x):
@@ -181,12 +194,17 @@ def worker(args: argparse.Namespace) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+        # explicit prefetch of the next block's all-gather, as FSDP2's docs recommend for overlap
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i] if i else [])
         opt = adamw(model.parameters())  # after sharding: the optimizer sees the DTensor shards
 
         def forward(x):
@@ -271,7 +289,9 @@ def worker(args: argparse.Namespace) -> None:
     for s in range(args.warmup + args.steps):
         x, y = get_batch(train_ids, s, args.batch, args.block_size, seed=args.seed,
                          world_size=world, rank=rank)
+        x, y = x.to(device), y.to(device)
         timed = s >= args.warmup  # memory is sampled in the warmup steps only, outside any timing
+        sync()
         t0 = time.perf_counter()
         loss = lm_loss(forward(x), y)
         backward(loss)
@@ -281,13 +301,14 @@ def worker(args: argparse.Namespace) -> None:
         if not timed:
             peak = max(peak, memory(), key=lambda m: m["total"])
         else:
+            sync()
             times.append(time.perf_counter() - t0)
         lt = loss.detach().float().reshape(())
         dist.all_reduce(lt)
         losses.append(lt.item() / world)
 
-    med = torch.tensor(statistics.median(times))
-    meds = [torch.zeros(()) for _ in range(world)]
+    med = torch.tensor(statistics.median(times), device=device)
+    meds = [torch.zeros((), device=device) for _ in range(world)]
     dist.all_gather(meds, med)
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
@@ -296,7 +317,8 @@ def worker(args: argparse.Namespace) -> None:
             "method": method, "world_size": world, "n_params": n_params,
             "step_ms": 1000 * max(m.item() for m in meds), "step_ms_per_rank": [1000 * m.item() for m in meds],
             "losses": losses, "final_loss": losses[-1], "peak_memory": peaks,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "device": str(device if not cuda else torch.cuda.get_device_name(device)),
+            "cuda_max_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
         }))
     dist.barrier()
     dist.destroy_process_group()
@@ -322,12 +344,12 @@ def launch(method: str, args: argparse.Namespace, python: str) -> dict:
         out = Path(tmp) / "result.json"
         forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("n_layer", "n_embd", "n_head", "block_size", "batch", "steps", "warmup",
-                            "lr", "grad_clip", "dtype", "seed")]
+                            "lr", "grad_clip", "dtype", "seed", "device")]
         cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                f"--master-port={free_port()}", str(Path(__file__).resolve()),
                "--worker", method, "--out", str(out), *forward]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(
+               "DS_ACCELERATOR": args.device, "PYTHONPATH": os.pathsep.join(
                    [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
         t0 = time.perf_counter()
         try:
@@ -354,7 +376,8 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     n_params = next((r["n_params"] for r in results if "n_params" in r), 0)
     print()
     print(f"GPT {args.n_layer}L/{args.n_embd}d/{args.n_head}h, block {args.block_size}, "
-          f"{n_params / 1e6:.3f}M params | global batch {args.batch} | world {args.nproc} (gloo, CPU) | "
+          f"{n_params / 1e6:.3f}M params | global batch {args.batch} | world {args.nproc} "
+          f"({'NCCL, CUDA' if args.device == 'cuda' else 'gloo, CPU'}) | "
           f"{args.dtype} | AdamW lr {args.lr}, clip {args.grad_clip} | median of {args.steps} steps "
           f"after {args.warmup} warmup" + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
     hdr = (f"{'method':<20} {'step ms':>8} {'x DDP':>6} {'final loss':>10} {'max|dloss| 1-10/all':>19}   "

@@ -3,6 +3,8 @@
 #   tools/dev.sh demo   - the main job (train with ZeRO on CPU ranks, checkpoint, reshard, consolidate)
 #   tools/dev.sh test   - the lint (ruff) and the test suite; with arguments, only pytest with them
 #   tools/dev.sh lint   - ruff alone (pass --fix to apply its safe fixes)
+#   tools/dev.sh gpu    - on a CUDA machine: GPU tests and benchmarks, one report (tools/gpu_suite.py);
+#                         elsewhere, or with --dry-run: print what it would run and exit 0
 # Set-up: a virtual environment in .venv with torch pinned (tools/constraints.txt) and
 # zeroshard installed editable with its test extra. Re-runs are quick: a stamp file remembers
 # which pyproject/constraints the environment was built from.
@@ -40,6 +42,25 @@ test_extras() {
     fi
 }
 
+# The GPU check runs on the machine's own CUDA torch (a CPU venv from here cannot drive a GPU):
+# .venv-gpu sees the system's packages, plus any wheels carried in .whl/ (no internet there).
+gpu() {
+    local sys_py=${ZEROSHARD_GPU_PYTHON:-python3} gvenv="$root/.venv-gpu"
+    if [[ " $* " == *" --dry-run "* ]] || \
+            ! "$sys_py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        exec "$sys_py" tools/gpu_suite.py --python "$sys_py" "$@"  # prints the plan, runs nothing
+    fi
+    if [ ! -x "$gvenv/bin/python" ]; then
+        echo "== set-up: $gvenv over $sys_py's packages (its CUDA torch)"
+        "$sys_py" -m venv --system-site-packages "$gvenv"
+    fi
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$gvenv/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl
+    fi
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    exec "$gvenv/bin/python" tools/gpu_suite.py --python "$gvenv/bin/python" "$@"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -50,5 +71,6 @@ case "$cmd" in
           if [ $# -eq 0 ]; then echo "== lint: ruff check"; "$venv/bin/ruff" check .; fi
           exec "$py" -m pytest -q "$@" ;;
     lint) setup; exec "$venv/bin/ruff" check "$@" . ;;
-    *) echo "usage: tools/dev.sh {demo|test|lint|setup} [args...]" >&2; exit 2 ;;
+    gpu) gpu "$@" ;;
+    *) echo "usage: tools/dev.sh {demo|test|lint|setup|gpu} [args...]" >&2; exit 2 ;;
 esac
