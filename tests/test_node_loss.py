@@ -113,7 +113,7 @@ TRAIN = textwrap.dedent('''
         start = engine.load_checkpoint(ckpt)["next_step"]
     log = os.path.join(out, f"rank{rank}.jsonl")
     with open(os.path.join(out, f"host-rank{rank}"), "w") as f:
-        f.write(os.environ["ZEROSHARD_HOST_ID"])
+        f.write(f"{os.environ['ZEROSHARD_HOST_ID']} {os.getpid()}")
     for step in range(start, steps):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 1, generator=g)
@@ -163,13 +163,13 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 240) -> list[tuple[
             stdout, stderr = a.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for b in agents:
-                with_suppressed_kill(b)
+                _kill_agent(b)
             raise
         results.append((a.returncode, stdout + stderr))
     return results
 
 
-def with_suppressed_kill(agent: subprocess.Popen) -> None:
+def _kill_agent(agent: subprocess.Popen) -> None:
     try:
         os.killpg(agent.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -196,11 +196,23 @@ def _losses(out: Path) -> dict[int, dict[int, str]]:
     return losses
 
 
-def _ranks_of(out: Path) -> dict[str, list[int]]:
-    hosts: dict[str, list[int]] = {}
+def _ranks_of(out: Path) -> dict[str, dict[int, int]]:
+    """host -> rank -> worker pid."""
+    hosts: dict[str, dict[int, int]] = {}
     for path in sorted(out.glob("host-rank*")):
-        hosts.setdefault(path.read_text(), []).append(int(path.name[9:]))
+        host, pid = path.read_text().split()
+        hosts.setdefault(host, {})[int(path.name[9:])] = int(pid)
     return hosts
+
+
+def _kill_node(agent: subprocess.Popen, worker_pids: list[int]) -> None:
+    """SIGKILL a node: its agent's process group and its workers' (torchrun starts each worker
+    in a session of its own, so the agent's group alone would leave them running)."""
+    for pgid in [agent.pid, *worker_pids]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _kill_node_in_save(tmp: Path, name: str, job: str, args: list[str], lose_rank_0: bool):
@@ -218,11 +230,11 @@ def _kill_node_in_save(tmp: Path, name: str, job: str, args: list[str], lose_ran
     lost = next(h for h, ranks in by_host.items() if (0 in ranks) == lose_rank_0)
     victim = agents[["nodeA", "nodeB"].index(lost)]
     killed_at = time.monotonic()
-    os.killpg(victim.pid, signal.SIGKILL)
+    _kill_node(victim, list(by_host[lost].values()))
     victim.communicate()
     survivor = agents[1 - agents.index(victim)]
     (rc, text), = _finish([survivor], 120)
-    return lost, by_host[lost], rc, text, time.monotonic() - killed_at
+    return lost, sorted(by_host[lost]), rc, text, time.monotonic() - killed_at
 
 
 def _verify(ckpt: Path) -> None:
