@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,11 @@ TRAIN = textwrap.dedent('''
     ckpt, out, stage, steps, async_save, slow_at = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                                      sys.argv[5] == "1", int(sys.argv[6]))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def slow_storage():
+        real = os.fsync
+        os.fsync = lambda fd: (time.sleep(2.0), real(fd))[1]
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -123,11 +129,12 @@ TRAIN = textwrap.dedent('''
         with open(log, "a") as f:
             f.write(json.dumps([step, loss.item().hex()]) + "\\n")
         if (step + 1) % 2 == 0:
-            if step + 1 == slow_at:  # storage turned slow: the save is still in flight when the node dies
-                real = os.fsync
-                os.fsync = lambda fd: (time.sleep(2.0), real(fd))[1]
+            if step + 1 == slow_at and async_save:  # storage turned slow: the save is in flight when the node dies
+                slow_storage()
             engine.save_checkpoint(ckpt, client_state={"next_step": step + 1}, async_save=async_save)
             if step + 1 == slow_at:
+                if not async_save:  # a sync save committed: the node dies after it, in the next step or save
+                    slow_storage()
                 open(os.path.join(out, f"saving-rank{rank}"), "w").close()
     engine.wait()
 ''')
@@ -244,20 +251,33 @@ def _verify(ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resumes_exactly(tmp_path):
-    """Stage 3, async saves: node B (ranks 2, 3) dies 0.3 s into the save of step 4."""
-    args = [str(tmp_path / "ckpt"), "3", "6", "1"]
+@pytest.mark.parametrize("stage, async_save, committed", [(1, "0", "step-00000004"), (3, "1", "step-00000002")])
+def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resumes_exactly(tmp_path, stage,
+                                                                                           async_save, committed):
+    """Node B (without rank 0) dies 0.3 s after the save of step 4 returned: inside that save when
+    async, in the next step or save when sync. Its survivors fail at once naming the lost ranks."""
+    ckpt = tmp_path / "ckpt"
+    args = [str(ckpt), str(stage), "6", async_save]
     reference = _run_to_end(tmp_path, "reference", ["nodeA", "nodeB"], "ref-job", [str(tmp_path / "ref"), *args[1:],
                                                                                      "0"])
     lost, ranks, rc, text, took = _kill_node_in_save(tmp_path, "killed", "job-1", [*args, "4"], lose_rank_0=False)
     assert rc != 0 and "PeerLostError" in text, text[-3000:]
     assert f"lost contact with rank(s) {', '.join(map(str, ranks))} on host(s) {lost}" in text, text[-3000:]
     assert took < 60, took
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
-    _verify(tmp_path / "ckpt")
+    assert (ckpt / "latest").read_text().strip() == committed
+    _verify(ckpt)
+    start = int(committed[-2:])
+    # the surviving node alone, at world size 2, resumes exactly like a fresh 2-rank job from a copy
+    shutil.copytree(ckpt, tmp_path / "alone")
+    shutil.copytree(ckpt, tmp_path / "two")
+    alone = _run_to_end(tmp_path, "alone", ["nodeA" if lost == "nodeB" else "nodeB"], "job-1",
+                        [str(tmp_path / "alone"), *args[1:], "0"])
+    two = _run_to_end(tmp_path, "two", ["nodeX"], "job-1b", [str(tmp_path / "two"), *args[1:], "0"])
+    assert sorted(alone) == [0, 1] and alone == two and sorted(alone[0]) == list(range(start, 6))
+    # both nodes back: every loss bit-identical to the uninterrupted run
     resumed = _run_to_end(tmp_path, "resumed", ["nodeA", "nodeB"], "job-1", [*args, "0"])
-    assert resumed == {r: {s: v for s, v in steps.items() if s >= 2} for r, steps in reference.items()}
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000006"
+    assert resumed == {r: {s: v for s, v in steps.items() if s >= start} for r, steps in reference.items()}
+    assert (ckpt / "latest").read_text().strip() == "step-00000006"
 
 
 @pytest.mark.timeout(900)
