@@ -16,6 +16,10 @@ interleaved so that all sides see the same machine noise:
   zeroshard async engine.save_checkpoint(path, async_save=True) -> blocked seconds; then the
                   copy-on-write an optimizer step issued at once would do (worst case); engine.wait()
   DCP async       dcp.async_save(...) -> blocked seconds; future.result()
+  zeroshard async, slow storage (--slow-fsync S, default 2.0; 0 skips it): the same async save
+                  while every os.fsync in the ranks' processes first sleeps S seconds (a busy NFS
+                  server, a throttled bucket): the delay is injected HERE, in the benchmark's
+                  processes, never in the product; what training is blocked for must not grow
   raw read        the raw file read back into the same (preallocated, already touched) tensor
   zeroshard load  engine.load_checkpoint(path) into the same engine (state perturbed first)
   DCP load        get_state_dict + dcp.load(..., FileSystemReader(path)) + set_state_dict
@@ -83,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "has no freed memory to recycle")
     p.add_argument("--no-dcp", action="store_true", help="skip the FSDP2 + DCP peer")
     p.add_argument("--no-async", action="store_true", help="skip the async save rows")
+    p.add_argument("--slow-fsync", type=float, default=2.0,
+                   help="also time async saves with every fsync delayed this many seconds (0: skip)")
     p.add_argument("--scratch", default=None,
                    help="parent folder for the scratch dir (default: the system temp dir, /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the scratch dir (last checkpoints, raw files)")
@@ -315,6 +321,28 @@ def worker(args: argparse.Namespace) -> None:
         record("zs_async_total", slowest(time.perf_counter() - t_all))
         log(f"{tag(rep)}: zeroshard async save blocked {blocked:.3f}s, then wait() {waited:.3f}s")
 
+    def zs_async_slow_fsync(rep: int) -> None:
+        """An async save on slow storage: every fsync (files and folders) first sleeps."""
+        rm(zs_root / f"slow-{rep - 1}")
+        real_fsync = os.fsync
+
+        def slow_fsync(fd: int) -> None:
+            time.sleep(args.slow_fsync)
+            real_fsync(fd)
+
+        os.fsync = slow_fsync
+        try:
+            blocked, _ = timed(lambda: engine.save_checkpoint(str(zs_root), tag=f"slow-{rep}", async_save=True))
+            t0 = time.perf_counter()
+            engine.wait()
+            waited = slowest(time.perf_counter() - t0)
+        finally:
+            os.fsync = real_fsync
+        record("zs_async_slow_blocked", blocked)
+        record("zs_async_slow_wait", waited)
+        log(f"{tag(rep)}: zeroshard async save, fsync +{args.slow_fsync:g}s: blocked {blocked:.3f}s, "
+            f"then wait() {waited:.3f}s")
+
     def dcp_async_op(rep: int) -> None:
         rm(scratch / f"dcp-async-{rep - 1}")
         path = scratch / f"dcp-async-{rep}"
@@ -365,6 +393,7 @@ def worker(args: argparse.Namespace) -> None:
 
     writes = [zs_save, raw_save] + ([dcp_save_op] if fsdp is not None else [])
     asyncs = [] if args.no_async else [zs_async] + ([dcp_async_op] if fsdp is not None else [])
+    asyncs += [zs_async_slow_fsync] if asyncs and args.slow_fsync > 0 else []
     reads = [raw_load, zs_load] + ([dcp_load_op] if fsdp is not None else [])
     for rep in range(args.warmup + args.repeats):
         for op in rotate(writes, rep) + rotate(asyncs, rep) + rotate(reads, rep):
@@ -432,7 +461,7 @@ def launch(args: argparse.Namespace, scratch: Path) -> dict:
     out = scratch / "result.json"
     forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                if k in ("stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch", "repeats",
-                        "warmup")]
+                        "warmup", "slow_fsync")]
     forward += [f"--{k.replace('_', '-')}" for k in ("no_dcp", "no_async", "keep", "profile") if getattr(args, k)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", "--dir", str(scratch), "--out", str(out), *forward]
@@ -504,6 +533,12 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
                      f"{best['zs_async_step_copy'] / sync:.1%} of sync save | - |")
         lines.append(f"| zeroshard async save: wait() after return | - | {best['zs_async_wait']:.3f} "
                      f"({med['zs_async_wait']:.3f}) | - | - | - |")
+        if "zs_async_slow_blocked" in best:
+            lines.append(f"| zeroshard async save, every fsync +{args.slow_fsync:g}s: blocked | - | "
+                         f"{best['zs_async_slow_blocked']:.3f} ({med['zs_async_slow_blocked']:.3f}, "
+                         f"max {max(runs['zs_async_slow_blocked']):.3f}) | - | - | - |")
+            lines.append(f"| zeroshard async save, every fsync +{args.slow_fsync:g}s: wait() after return | - | "
+                         f"{best['zs_async_slow_wait']:.3f} ({med['zs_async_slow_wait']:.3f}) | - | - | - |")
         if "dcp_async_blocked" in best:
             lines.append(f"| DCP async_save: blocked (staging) | {nbytes.get('dcp_save', 0):,} | "
                          f"{best['dcp_async_blocked']:.3f} ({med['dcp_async_blocked']:.3f}) | - | "
@@ -528,6 +563,10 @@ def report(res: dict, args: argparse.Namespace) -> list[str]:
     if "zs_async_blocked" in best:
         frac = best["zs_async_blocked"] / best["zs_save"]
         targets.append(("async save blocks <= 10% of a sync save", f"{frac:.1%}", frac <= 0.10))
+    if "zs_async_slow_blocked" in best:
+        worst = max(runs["zs_async_slow_blocked"])
+        targets.append((f"async save with fsync +{args.slow_fsync:g}s blocks < 0.1 s (every run)", f"{worst:.3f}s",
+                        worst < 0.1))
     if "dcp_save" in rate:
         targets.append(("save at least as fast as DCP", fmt_ratio(rate["zs_save"], rate["dcp_save"]),
                         rate["zs_save"] >= rate["dcp_save"]))

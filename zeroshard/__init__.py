@@ -15,6 +15,7 @@ from zeroshard.errors import (
     EngineUsageError,
     OtherRanksFailedError,
     OutputExistsError,
+    PeerLostError,
     StorageError,
     ZeroshardError,
 )
@@ -22,8 +23,8 @@ from zeroshard.errors import (
 __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
-           "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "ConfigError",
-           "EngineUsageError", "__version__"]
+           "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
+           "ConfigError", "EngineUsageError", "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",

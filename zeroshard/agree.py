@@ -5,6 +5,8 @@ did not fail must not carry on as if all was well. So every multi-rank operation
 set-up, checkpoint save and load, the toolkit's torchrun mode) ends its fallible local part with
 `agree(error, group)`: one all-gather of each rank's outcome, after which every rank raises:
 the failed rank its own error, the others an OtherRanksFailedError naming the failed ranks.
+A rank that went away altogether (a dead node) makes the exchange itself fail: that is raised
+as PeerLostError naming the lost ranks (zeroshard/peers.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.errors import OtherRanksFailedError, ZeroshardError
+from zeroshard.peers import peer_loss_translated
 
 
 def agree(error: BaseException | None, group: Any = None, *, action: str, payload: Any = None) -> list[Any]:
@@ -26,7 +29,8 @@ def agree(error: BaseException | None, group: Any = None, *, action: str, payloa
                else f"{type(error).__name__}: {error}")
     outcome = (message, payload if error is None else None)
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, outcome, group=group)
+    with peer_loss_translated(action):
+        dist.all_gather_object(everyone, outcome, group=group)
     if error is not None:
         raise error
     failed = {rank: message for rank, (message, _) in enumerate(everyone) if message is not None}

@@ -9,6 +9,7 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- OutputExistsError           the output exists and --overwrite was not given
     +-- CheckpointSaveError         a save failed on some rank: nothing committed
     +-- OtherRanksFailedError       raised on the ranks that did not fail, naming those that did
+    +-- PeerLostError               a collective lost contact with other ranks (a node died), naming them
     +-- ConfigError (also ValueError)  an invalid engine config
     +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
 """
@@ -74,6 +75,27 @@ class OtherRanksFailedError(ZeroshardError):
 
     def __reduce__(self):
         return type(self), (self.action, self.failed)
+
+
+class PeerLostError(ZeroshardError):
+    """A collective failed because other ranks went away (a killed node, a closed connection, a
+    timeout); names the lost ranks and their hosts where known (zeroshard/peers.py). The
+    library's error is the __cause__."""
+
+    def __init__(self, action: str, lost: dict[int, str], detail: str):
+        self.action = action
+        self.lost = dict(lost)  # rank -> host name ('' where unknown)
+        self.detail = detail
+        if self.lost:
+            ranks = sorted(self.lost)
+            hosts = sorted({h for h in self.lost.values() if h})
+            who = f"rank(s) {', '.join(map(str, ranks))}" + (f" on host(s) {', '.join(hosts)}" if hosts else "")
+        else:
+            who = "other ranks (which ones could not be learned)"
+        super().__init__(f"{action}: lost contact with {who}; the job must be restarted: {detail}")
+
+    def __reduce__(self):
+        return type(self), (self.action, self.lost, self.detail)
 
 
 class ConfigError(ZeroshardError, ValueError):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
-from zeroshard.checkpointing.save import SaveJob, agree_on_save, claim_tag, new_checkpoint_id, write_and_commit
+from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
 from zeroshard.format.manifest import is_safe_file_name
@@ -70,12 +70,11 @@ class Checkpointer:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         root = Location(path, storage_options)
-        claim = error = contents = background = None
+        error = contents = background = None
         rank_state = b""
         manifest_extra: dict[str, Any] = {}
-        try:  # everything that can fail locally happens before the ranks agree
+        try:  # everything that can fail locally happens before the ranks agree; storage comes later
             if engine.rank == 0:
-                claim = claim_tag(root, tag)
                 manifest_extra["stateful"] = {k: to_json_value(o.state_dict(), f"state of {k!r}")
                                               for k, o in objects.items() if scope_of(o) == "global"}
                 client_state = to_json_value(client_state, "client_state") if client_state is not None else None
@@ -85,19 +84,14 @@ class Checkpointer:
             background = BackgroundSave(contents, self._eager, self._lazy) if async_save else None
         except Exception as exc:  # every rank learns of it before anything is written
             error = exc
-        try:
-            # one exchange: the outcome, the checkpoint id (rank 0's) and every rank-state size
-            agreed = agree_on_save(error, self.group, (new_checkpoint_id(), len(rank_state), tag))
-        except BaseException:
-            if claim is not None:  # this process lives on: its claim must not block the tag
-                claim.release()
-            raise
+        # one exchange: the outcome, the checkpoint id (rank 0's) and every rank-state size
+        agreed = agree_on_save(error, self.group, (new_checkpoint_id(), len(rank_state), tag))
         assert contents is not None
         contents.list_rank_states([size for _, size, _ in agreed])
         checkpoint_id, _, tag = agreed[0]  # rank 0's: a tag given per rank could differ
         job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents,
                       background.fill if background is not None else contents.fill, manifest_extra,
-                      client_state if engine.rank == 0 else None, keep_last, claim)
+                      client_state if engine.rank == 0 else None, keep_last)
         if not async_save:
             write_and_commit(job, self.group)
         else:

@@ -1,15 +1,18 @@
 """Saving a checkpoint: every rank writes its own file at once; rank 0 commits.
 
-    1. rank 0 claims the tag (docs/SAFETY.md) and refuses a committed one; every rank gathers
-       its contents; the ranks agree (zeroshard.agree) on the outcome, the checkpoint id and
-       the sizes of their rank-state blobs, so all list the same tensors;
-    2. every rank streams its file (local or s3://), durably, hashing as it goes;
-    3. the ranks agree on the results (file entries, or the errors); only if every rank
+    1. every rank gathers its contents (no storage is touched yet); the ranks agree
+       (zeroshard.agree) on the outcome, the checkpoint id and the sizes of their rank-state
+       blobs, so all list the same tensors;
+    2. rank 0 claims the tag (docs/SAFETY.md) and refuses a committed one; the ranks agree on
+       that before any of them writes a byte, so two jobs saving one tag never mix;
+    3. every rank streams its file (local or s3://), durably, hashing as it goes;
+    4. the ranks agree on the results (file entries, or the errors); only if every rank
        succeeded does rank 0 write the manifest (the commit), then move `latest`, then prune
        checkpoints beyond keep_last; the outcome is agreed once more, so a failure raises
        CheckpointSaveError on every rank and never moves `latest`.
-Steps 2-3 may run on a background thread (Checkpointer, async saves), on a gloo group of their
-own so that they never interleave with training's collectives.
+Steps 2-4 may run on a background thread (Checkpointer, async saves), on a gloo group of their
+own so that they never interleave with training's collectives: what training waits for does no
+storage round trip at all (a slow fsync of the claim never reaches the training loop).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Callable
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.contents import RankContents
-from zeroshard.errors import CheckpointError, CheckpointSaveError, OtherRanksFailedError, ZeroshardError
+from zeroshard.errors import CheckpointError, CheckpointSaveError, OtherRanksFailedError, PeerLostError, ZeroshardError
 from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, update_latest, write_rank_file
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
@@ -45,7 +48,6 @@ class SaveJob:
     manifest_extra: dict[str, Any]  # rank 0: stateful states, client state
     client_state: Any
     keep_last: int | None
-    claim: Claim | None  # rank 0's claim on the tag, released when the save ends
 
 
 def claim_tag(root: Location, tag: str) -> Claim:
@@ -53,7 +55,7 @@ def claim_tag(root: Location, tag: str) -> Claim:
     proceeds, and a committed checkpoint of this tag is refused (it is never touched)."""
     if root.is_link(tag):
         raise CheckpointError(root.url_of(tag), "is a symbolic link; a save writes only inside its root")
-    claim = take_claim(root.child(tag), "checkpoint tag")
+    claim = take_claim(root.child(tag), "checkpoint tag", job_scoped=True)
     try:
         if root.child(tag).exists(MANIFEST_NAME):
             raise CheckpointSaveError(f"{root.url_of(tag)}: a committed checkpoint with this tag exists")
@@ -68,7 +70,7 @@ def agree_on_save(error: BaseException | None, group: Any, payload: Any) -> list
     """zeroshard.agree, with every failure raised as CheckpointSaveError (on every rank)."""
     try:
         return agree(error, group, action=ACTION, payload=payload)
-    except CheckpointSaveError:
+    except (CheckpointSaveError, PeerLostError):  # a lost peer is named as such, on every survivor
         raise
     except OtherRanksFailedError as exc:
         raise CheckpointSaveError(f"nothing committed: {exc}") from None
@@ -82,9 +84,17 @@ def new_checkpoint_id() -> str:
 
 
 def write_and_commit(job: SaveJob, group: Any) -> None:
-    """Steps 2 and 3 (collective on `group`)."""
+    """Steps 2 to 4 (collective on `group`)."""
     target = job.root.child(job.tag)
+    claim: Claim | None = None
     try:
+        error = None
+        if job.rank == 0:
+            try:
+                claim = claim_tag(job.root, job.tag)
+            except Exception as exc:  # another writer, or a committed tag: nobody writes
+                error = exc
+        agree_on_save(error, group, None)
         try:
             target.makedirs()
             specs = job.contents.specs
@@ -111,8 +121,8 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
                     f"{target.url}: {type(exc).__name__}: {exc}")
         agree_on_save(error, group, None)
     finally:
-        if job.claim is not None:
-            job.claim.release()
+        if claim is not None:
+            claim.release()
 
 
 def prune(root: Location, keep_last: int, keep: str) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.layout import ParamShard, rows_to_flat
+from zeroshard.peers import record_hosts
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,7 +37,8 @@ def ensure_process_group() -> torch.device:
     """Create the default process group if the script did not; return this rank's device.
 
     Under torchrun the env:// variables are set. Without them (a plain `python script.py`) we
-    start a one-rank group on a free local port so the same script runs unchanged.
+    start a one-rank group on a free local port so the same script runs unchanged. Collective:
+    the ranks exchange their host names, so that a lost peer can be named (zeroshard/peers.py).
     """
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -48,6 +50,7 @@ def ensure_process_group() -> torch.device:
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=1, timeout=datetime.timedelta(minutes=10))
+    record_hosts()
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         torch.cuda.set_device(device)

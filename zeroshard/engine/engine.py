@@ -47,6 +47,7 @@ from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
 from zeroshard.errors import EngineUsageError
+from zeroshard.peers import peer_loss_translated
 
 _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
                "the forward of a module that holds it (its unit). Use it through that module, or make "
@@ -218,6 +219,7 @@ class ZeroEngine:
 
     # -- training ----------------------------------------------------------------------------
 
+    @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (floating inputs cast to the compute dtype)."""
         if self.compute_dtype != torch.float32:
@@ -247,6 +249,7 @@ class ZeroEngine:
         """Whether the next step() will update the weights."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
+    @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -289,6 +292,7 @@ class ZeroEngine:
         if self._stage3 is not None:
             self._stage3.grad_done(shard)
 
+    @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the weights and zero grads."""
         if not self._backward_done:

@@ -5,13 +5,17 @@ Locally the claim is created with O_CREAT|O_EXCL; on S3 with a conditional PUT
 it and the other is refused before it writes a byte. The claim names its owner (host id and
 pid) so that a claim left by a killed process on this host is taken over on the next run; a
 claim of another host is taken over only once older than STALE_CLAIM_S (`zeroshard clean
---older-than` removes it sooner).
+--older-than` removes it sooner). A job-scoped claim (a checkpoint save's, taken by rank 0) also
+records the launcher's run id: a claim of the same run made by another process was left by an
+earlier incarnation of this job (its launcher re-formed the world without it, on any host), so it
+is taken over at once, with one log line naming the old owner (docs/SAFETY.md, section 3).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -19,12 +23,13 @@ from dataclasses import dataclass
 
 from zeroshard.errors import ClaimError
 from zeroshard.storage.location import Location
-from zeroshard.storage.owner import owner_alive, owner_tag
+from zeroshard.storage.owner import job_restart_count, job_run_id, owner_alive, owner_tag
 
 CLAIM_NAME = ".zeroshard-claim"
 # A claim of another host (whose process we cannot see) is presumed dead after this long: no
 # single save or toolkit run holds an output for 6 hours, and a crashed job must not block a tag forever.
 STALE_CLAIM_S = 6 * 3600.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,10 +53,18 @@ def read_claim(location: Location) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def take_claim(location: Location, what: str = "output") -> Claim:
-    """Claim `location` for this process, or raise ClaimError naming the holder."""
+def take_claim(location: Location, what: str = "output", *, job_scoped: bool = False) -> Claim:
+    """Claim `location` for this process, or raise ClaimError naming the holder.
+
+    job_scoped: this process is the only one of its job (its launcher's run id) that takes such
+    claims, as rank 0 is for checkpoint saves; the claim records the run id, and a job-scoped
+    claim of the same run id made by another process is taken over as superseded."""
     nonce = uuid.uuid4().hex
-    body = json.dumps({"owner": owner_tag(), "pid": os.getpid(), "time": time.time(), "nonce": nonce}).encode()
+    doc = {"owner": owner_tag(), "pid": os.getpid(), "time": time.time(), "nonce": nonce}
+    run_id = job_run_id() if job_scoped else None
+    if run_id is not None:
+        doc.update(job=run_id, restart=job_restart_count())
+    body = json.dumps(doc).encode()
     for _ in range(3):
         if location.create_exclusive(CLAIM_NAME, body):
             return Claim(location, nonce)
@@ -64,6 +77,12 @@ def take_claim(location: Location, what: str = "output") -> Claim:
         if alive is False or (alive is None and age > STALE_CLAIM_S) or location.is_link(CLAIM_NAME):
             _take_over(location, holder.get("nonce"))
             continue
+        if run_id is not None and _superseded(holder, run_id):
+            log.warning("%s: taking over the claim of %s (owner %s, restart %s of this job %s): "
+                        "that incarnation is gone", location.url_of(CLAIM_NAME), what,
+                        holder.get("owner", "?"), holder.get("restart", "?"), run_id)
+            _take_over(location, holder.get("nonce"))
+            continue
         since = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder["time"]))
                  if isinstance(holder.get("time"), (int, float)) else "?")
         raise ClaimError(location.url_of(CLAIM_NAME),
@@ -71,6 +90,13 @@ def take_claim(location: Location, what: str = "output") -> Claim:
                          f"(owner {holder.get('owner', '?')}, "
                          f"since {since} UTC); wait for it, or if it is gone, remove this file (zeroshard clean)")
     raise ClaimError(location.url_of(CLAIM_NAME), f"could not claim this {what}: other writers keep taking it")
+
+
+def _superseded(holder: dict, run_id: str) -> bool:
+    """A job-scoped claim of this run made by another process: an earlier incarnation's rank 0.
+    Within one incarnation only this process takes job-scoped claims, and the launcher starts an
+    incarnation only after stopping the previous one, so that owner cannot still be writing."""
+    return holder.get("job") == run_id and holder.get("owner") != owner_tag()
 
 
 def _take_over(location: Location, stale_nonce: object) -> None:

@@ -1,19 +1,40 @@
-"""Who wrote a leftover: `<host id>.<pid>` tags in temp names and claims, and whether that
-process is still alive (knowable only on the same host)."""
+"""Who wrote a leftover: `<host id>.<pid>` tags in temp names and claims, whether that process
+is still alive (knowable only on the same host), and which launched job it belongs to."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 
+# Tests and containers whose hosts share one node name may set this to tell the hosts apart.
+HOST_ID_ENV = "ZEROSHARD_HOST_ID"
+# torchrun (torchelastic) gives every process of one job, in every incarnation, the same run id
+# (the rendezvous id); "none" is torchrun's default for --rdzv-id, shared by unrelated jobs.
+_ANONYMOUS_RUN_IDS = {"", "none"}
+
 
 def host_id() -> str:
-    return hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]  # the host name, as gethostname()
+    """This host, as 8 hex digits of its node name (or of ZEROSHARD_HOST_ID, when set)."""
+    name = os.environ.get(HOST_ID_ENV) or os.uname().nodename  # the host name, as gethostname()
+    return hashlib.sha1(name.encode()).hexdigest()[:8]
 
 
 def owner_tag() -> str:
     """This process, as `<host id>.<pid>` (computed per call: a forked child has its own pid)."""
     return f"{host_id()}.{os.getpid()}"
+
+
+def job_run_id() -> str | None:
+    """The launcher's id of the job this process belongs to (TORCHELASTIC_RUN_ID), or None when
+    the process was not started by torchrun or its id does not single out one job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    return None if run_id.lower() in _ANONYMOUS_RUN_IDS else run_id
+
+
+def job_restart_count() -> int:
+    """How many times the launcher restarted this job's workers (0 on the first incarnation)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def owner_alive(tag: str) -> bool | None:
