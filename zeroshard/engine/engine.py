@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.agree import agree
-from zeroshard.engine import memory, state
-from zeroshard.engine.collectives import ensure_process_group
+from zeroshard.engine import comm_ledger, memory, state
+from zeroshard.engine.collectives import all_reduce, broadcast, ensure_process_group
 from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.contract import EngineState
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
@@ -192,6 +192,7 @@ class ZeroEngine:
         # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
         self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
                                      int(z.allgather_bucket_size), device) if self.stage in (1, 2) else None
+        self.reset_comm_report()
 
     # -- set-up helpers ------------------------------------------------------------------------
 
@@ -201,7 +202,7 @@ class ZeroEngine:
             return
         with torch.no_grad():
             for t in (list(self.module.parameters()) if params else []) + list(self.module.buffers()):
-                dist.broadcast(t.data, src=0, group=self.group)
+                broadcast(t.data, 0, self.group)
 
     def _set_master(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Meta init at stage 3: keep this rank's range of a freshly initialized full parameter."""
@@ -315,7 +316,7 @@ class ZeroEngine:
                 sq += g.pow(2).sum()
             if self.shard_world_size > 1:
                 sq = sq.to(self.device)  # offloaded grads: the norm is summed on the host, reduced here
-                dist.all_reduce(sq, group=self.group)
+                all_reduce(sq, self.group)
             total = sq.item()
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             if self.scaler.enabled and not math.isfinite(norm):
@@ -378,6 +379,16 @@ class ZeroEngine:
 
     def eval(self) -> "ZeroEngine":
         return self.train(False)
+
+    def comm_report(self) -> dict[str, dict[str, float]]:
+        """What this process's collectives moved per optimizer step since initialize (or the last
+        reset_comm_report()), by kind (all_gather, reduce_scatter, all_reduce, broadcast) and in
+        `total`: calls, payload bytes/elements, and bytes/elements this rank sent by the ring
+        formulas (comm_ledger.py). Stages 0-2 send 2Ψ(N-1)/N elements per step, stage 3 3Ψ(N-1)/N."""
+        return comm_ledger.report(self._comm_since, self.global_steps - self._comm_steps_at, self.world_size)
+
+    def reset_comm_report(self) -> None:
+        self._comm_since, self._comm_steps_at = comm_ledger.LEDGER.snapshot(), self.global_steps
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now: params, grads, optimizer (incl. fp32 master), buffers, comm,
