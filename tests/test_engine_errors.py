@@ -123,8 +123,10 @@ def errors() -> list[dict[str, tuple[str, str]]]:
     ("step_without_backward", "EngineUsageError", "without engine.backward"),
     ("second_step", "EngineUsageError", "without engine.backward"),
     ("no_parameters", "ValueError", "has no parameters"),
-    ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]"),
-    ("model_mismatch", "ValueError", "differ between rank 0 and rank(s) [1]"),
+    ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]: zero_optimization.stage is 2 on "
+                                       "rank 1, 1 on rank 0"),
+    ("model_mismatch", "RanksDifferError", "ranks built different models: rank 1 has 31 parameters, rank 0 19 "
+                                           "(parameter 'blocks.1.gain' is on rank 1 only)"),
     ("plain_loss_backward", "EngineUsageError", "call engine.backward(loss)"),
     ("lbfgs", "TypeError", "LBFGS updates whole tensors"),
     ("outside_unit", "EngineUsageError", "stage3_unit_classes"),
@@ -143,6 +145,110 @@ def test_a_bad_config_on_one_rank_fails_everywhere(errors: list[dict]) -> None:
     assert "'zero_optimisation'" in message
     kind, message = errors[1]["bad_config_on_one_rank"]
     assert kind == "ConfigError" and "'zero_optimisation'" in message and "zero_optimization" in message
+
+
+class Plain(nn.Module):
+    """Standard modules only (reset_parameters initializes them) and a real buffer."""
+
+    def __init__(self, out: int = 4) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, out))
+        self.register_buffer("scale", torch.ones(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def build_mismatches(rank: int, world: int) -> dict[str, tuple[str, str, bool]]:
+    """Each case builds the model differently on some ranks; initialize must refuse it alike on
+    every rank before any collective that depends on the model (gloo crashed or hung before)."""
+    out = {}
+
+    def init(model: nn.Module, stage: int = 3, **kwargs: Any) -> None:
+        zeroshard.initialize(model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                             config={"zero_optimization": {"stage": stage}}, **kwargs)
+
+    def zero_init_on_one_rank(stage: int) -> None:
+        with zeroshard.zero_init(enabled=rank == 1):
+            model = Plain()
+        init(model, stage)
+
+    def meta_device_on_one_rank() -> None:
+        with torch.device("meta" if rank == 2 else "cpu"):
+            model = Plain()
+        init(model, init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+
+    def partly_meta() -> None:
+        model = Plain()
+        if rank == 1:
+            model.body[0].weight = nn.Parameter(torch.empty(8, 4, device="meta"))
+        init(model)
+
+    def other_shape() -> None:
+        init(Plain(out=5 if rank == 2 else 4))
+
+    def other_dtype() -> None:
+        init(Plain().to(torch.bfloat16 if rank == 1 else torch.float32))
+
+    def frozen_on_one_rank() -> None:
+        model = Plain()
+        model.body[2].bias.requires_grad_(rank != 0)
+        init(model)
+
+    def other_order() -> None:
+        model = Plain()
+        if rank == 1:  # same parameters, registered in another order
+            model.body = nn.Sequential()
+            model.body.add_module("2", nn.Linear(8, 4))
+            model.body.add_module("0", nn.Linear(4, 8))
+        init(model)
+
+    def same_after_all() -> None:  # the set-up is still sound after all those refusals
+        with zeroshard.zero_init():
+            model = Plain()
+        init(model)
+
+    cases = {"zero_init_stage3": lambda: zero_init_on_one_rank(3), "zero_init_stage1": lambda: zero_init_on_one_rank(1),
+             "meta_device": meta_device_on_one_rank, "partly_meta": partly_meta, "shape": other_shape,
+             "dtype": other_dtype, "frozen": frozen_on_one_rank, "order": other_order, "same": same_after_all}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = ("no error", "", False)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            named = isinstance(e, zeroshard.ZeroshardError) and isinstance(e, ValueError)
+            out[name] = (type(e).__name__, str(e), named)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatches() -> list[dict[str, tuple[str, str, bool]]]:
+    return run_ranks(build_mismatches, 3, timeout=180)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("zero_init_stage3", "rank 1 built the model under zero_init(), ranks 0, 2 eagerly"),
+    ("zero_init_stage1", "rank 1 built the model under zero_init(), ranks 0, 2 eagerly"),
+    ("meta_device", "rank 2 built the model on the meta device (1 buffer on the meta device too), ranks 0, 1 eagerly"),
+    ("partly_meta", "rank 1 built the model with 1 of its 4 parameters on the meta device, ranks 0, 2 eagerly"),
+    ("shape", "parameter 'body.2.weight' has shape [5, 8] on rank 2, [4, 8] on ranks 0, 1"),
+    ("dtype", "parameter 'body.0.weight' has dtype 'torch.bfloat16' on rank 1, 'torch.float32' on ranks 0, 2"),
+    ("frozen", "parameter 'body.2.bias' has requires_grad True on ranks 1, 2, False on rank 0"),
+    ("order", "parameters are registered in another order on rank 1 than on ranks 0, 2"),
+])
+def test_ranks_building_different_models_all_get_the_same_named_error(mismatches: list[dict], case: str,
+                                                                      words: str) -> None:
+    messages = {mismatches[rank][case][1] for rank in range(3)}
+    assert len(messages) == 1, messages  # the same message on every rank
+    for rank in range(3):
+        kind, message, is_zeroshard_value_error = mismatches[rank][case]
+        assert kind == "RanksDifferError" and is_zeroshard_value_error, (case, kind, message)
+        assert message.startswith("zeroshard.initialize: ranks built different models: ") and words in message, \
+            (case, message)
+
+
+def test_ranks_that_built_the_same_model_go_on(mismatches: list[dict]) -> None:
+    assert [m["same"][0] for m in mismatches] == ["no error"] * 3
 
 
 # -- checks that need no process group ---------------------------------------------------------------
