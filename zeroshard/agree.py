@@ -39,11 +39,6 @@ def agree(error: BaseException | None, group: Any = None, *, action: str, payloa
     return [p for _, p in everyone]
 
 
-class RanksDifferError(ZeroshardError, ValueError):
-    """Ranks that must have built or chosen the same thing did not (the model, how it was built);
-    raised with the same message on every rank, naming the ranks that differ and how."""
-
-
 def gather_all(value: Any, group: Any = None, *, action: str) -> list[Any]:
     """Every rank's `value` (small, picklable), in rank order; for a second exchange that every
     rank makes because all learned the same thing from the first (so none is left waiting)."""
