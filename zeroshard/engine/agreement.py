@@ -17,6 +17,7 @@ import hashlib
 import json
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.agree import agree, gather_all, rank_groups, ranks_text
@@ -70,9 +71,12 @@ def agree_on_build(error: BaseException | None, model: nn.Module, cfg: ZeroConfi
     if len(set(digests)) == 1:
         return
     assert cfg is not None  # no rank failed, so every rank has its config
-    details = gather_all(_details(model, cfg), group, action=ACTION)
-    reference = details[0]
     (first_ranks, _), *others = rank_groups(digests)
+    # Only the first rank of each group sends its description: at thousands of ranks, a few copies.
+    leaders = {first_ranks[0]} | {g[0] for g, _ in others[:_GROUPS_SHOWN]}
+    mine = _details(model, cfg) if dist.get_rank(group) in leaders else None
+    details = gather_all(mine, group, action=ACTION)
+    reference = details[0]
     ref_who = ranks_text(first_ranks)
     configs_differ = [ranks for ranks, d in others if d[0] != digests[0][0]]
     if configs_differ:
