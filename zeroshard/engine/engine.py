@@ -23,7 +23,6 @@ the same state. The field-by-field description is in the package docstring
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from functools import partial
@@ -33,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.agree import agree
 from zeroshard.engine import comm_ledger, memory, state
+from zeroshard.engine.agreement import agree_on_build
 from zeroshard.engine.collectives import all_reduce, broadcast, ensure_process_group
-from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.contract import EngineState
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
@@ -87,7 +86,8 @@ def initialize(model: nn.Module,
         check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
-    _agree(error, cfg, model)
+    # Before any collective whose sizes depend on the model: all ranks built the same one, alike.
+    agree_on_build(error, model, cfg)
     return (engine_class or ZeroEngine)(model, optimizer, cfg, device, init_fn=init_fn)
 
 
@@ -99,26 +99,6 @@ def _check_model(model: nn.Module) -> None:
     bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if bad:
         raise ValueError(f"only floating-point parameters can be trained/sharded; not: {bad}")
-
-
-def _model_digest(model: nn.Module) -> int:
-    desc = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-    desc += [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    return int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:8], "big") >> 1
-
-
-def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module) -> None:
-    """Every rank learns whether any rank failed, or has another config or model, and all raise."""
-    digests = agree(error, action="zeroshard.initialize",
-                    payload=None if error is not None else (cfg.digest(), _model_digest(model)))
-    cfg_differs = [r for r, (c, _) in enumerate(digests) if c != digests[0][0]]
-    if cfg_differs:
-        raise ConfigError(f"the zeroshard config differs between rank 0 and rank(s) {cfg_differs}; "
-                          "every rank must use the same config")
-    model_differs = [r for r, (_, m) in enumerate(digests) if m != digests[0][1]]
-    if model_differs:
-        raise ValueError(f"model parameters/buffers (names, shapes, dtypes, requires_grad) differ "
-                         f"between rank 0 and rank(s) {model_differs}")
 
 
 class ZeroEngine:
