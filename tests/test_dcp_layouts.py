@@ -10,9 +10,10 @@ what it did not understand.
  - torchtitan 0.3.0's CheckpointManager (model keys at the top level beside `optimizer`,
    `lr_scheduler`, `dataloader`, `train_state`), and its model-only last-step export;
  - Accelerate 1.15.0's FSDP2 save folders, written by Accelerate's own `save_fsdp_model` /
-   `save_fsdp_optimizer` / `save_accelerator_state` (Accelerate runs FSDP only on accelerators:
-   on CPU its `Accelerator` falls back to MULTI_CPU, so the save functions are called directly
-   with a real `FullyShardedDataParallelPlugin`).
+   `save_fsdp_optimizer` / `save_accelerator_state`, the calls `Accelerator.save_state` makes
+   for FSDP (Accelerate runs FSDP only on accelerators: on CPU its `Accelerator` falls back to
+   MULTI_CPU, so they are called directly, with a real `FullyShardedDataParallelPlugin` and
+   `PartialState`).
 (nested FSDP2 `{"model", "optim"}` is tests/test_interop_dcp.py's.)
 """
 
@@ -303,7 +304,7 @@ def _torchtitan(rank, world_size, base):
 def test_torchtitan_checkpoint_manager(tmp_path):
     if not os.path.isdir(os.path.join(TORCHTITAN, "torchtitan")):
         pytest.skip(f"torchtitan is not installed under {TORCHTITAN} (tools/dev.sh test installs it)")
-    titan_next = run_ranks(_torchtitan, 2, base=str(tmp_path), timeout=300)[0]
+    titan_next = run_ranks(_torchtitan, 2, base=str(tmp_path), timeout=300, fresh=True)[0]
     step3 = tmp_path / "ckpt" / "step-3"
     imp = read_dcp(str(step3))
     _check_trained(imp, "top-level model keys, flattened 'optimizer.*'")
@@ -322,18 +323,13 @@ def test_torchtitan_checkpoint_manager(tmp_path):
 
 # ---- Accelerate -----------------------------------------------------------------------------------
 
-class _AcceleratorStub:
-    """What save_fsdp_model / save_fsdp_optimizer read of an Accelerator."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.process_index, self.num_processes = rank, world_size
-
-
 def _accelerate(rank, world_size, out):
+    from accelerate import PartialState
     from accelerate.checkpointing import save_accelerator_state
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
 
+    state = PartialState(cpu=True)  # joins the gloo group; what the save functions read of an Accelerator
     model = _sharded(world_size)
     opt = make_optimizer(model.parameters())
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
@@ -345,8 +341,8 @@ def _accelerate(rank, world_size, out):
         opt.zero_grad()
         losses.append(_mean(loss))
         if step == 2:  # what Accelerator.save_state does for FSDP, in its order
-            save_fsdp_model(plugin, _AcceleratorStub(rank, world_size), model, out)
-            save_fsdp_optimizer(plugin, _AcceleratorStub(rank, world_size), opt, model, out)
+            save_fsdp_model(plugin, state, model, out)
+            save_fsdp_optimizer(plugin, state, opt, model, out)
             save_accelerator_state(out, [], [], [], [], rank, step + 1)
     return losses[3:]
 
@@ -354,7 +350,7 @@ def _accelerate(rank, world_size, out):
 def test_accelerate_fsdp_save_state(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
     out = tmp_path / "save_state"
-    acc_next = run_ranks(_accelerate, 2, out=str(out), timeout=300)[0]
+    acc_next = run_ranks(_accelerate, 2, out=str(out), timeout=300, fresh=True)[0]
     assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
     imp = read_dcp(str(out))
     _check_trained(imp, "'model.*', nested 'optimizer.*'")
