@@ -36,7 +36,10 @@ from zeroshard.interop.dcp_import import read_dcp
 from distributed import run_ranks
 from interop_model import BETAS, LR, MICRO_BATCH, WEIGHT_DECAY, batch, make_model, make_optimizer
 
-TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", "/work/tt")  # pip install --no-deps --target
+# tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
+TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
+_TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManager; "
+                  "from torchtitan.components.optimizer import OptimizersContainer")
 
 
 def _mean(loss: torch.Tensor) -> float:
@@ -302,8 +305,12 @@ def _torchtitan(rank, world_size, base):
 
 
 def test_torchtitan_checkpoint_manager(tmp_path):
-    if not os.path.isdir(os.path.join(TORCHTITAN, "torchtitan")):
-        pytest.skip(f"torchtitan is not installed under {TORCHTITAN} (tools/dev.sh test installs it)")
+    import subprocess
+
+    probe = subprocess.run([sys.executable, "-c", _TITAN_IMPORTS], env={**os.environ, "PYTHONPATH": TORCHTITAN},
+                           capture_output=True, timeout=120)
+    if probe.returncode:
+        pytest.skip(f"torchtitan 0.3.0 does not import from {TORCHTITAN} (tools/dev.sh test installs it)")
     titan_next = run_ranks(_torchtitan, 2, base=str(tmp_path), timeout=300, fresh=True)[0]
     step3 = tmp_path / "ckpt" / "step-3"
     imp = read_dcp(str(step3))
