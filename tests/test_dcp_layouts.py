@@ -216,6 +216,8 @@ def test_unknown_layouts_are_refused_naming_the_keys(tmp_path):
     assert "ema.fc.weight" in _refused(tmp_path / "stray")
     _save_single(tmp_path / "both", {"model": model, "optim": {"x": 1}, "optimizer": {"x": 1}})
     assert "both 'optim.*' and 'optimizer.*'" in _refused(tmp_path / "both")
+    _save_single(tmp_path / "groupless", {"model": model, "optim": {"param_groups": [{"lr": 0.1}]}})
+    assert "param group(s) 0 of 'optim' have no `params` list" in _refused(tmp_path / "groupless")
     _save_single(tmp_path / "nomodel", {"optim": {"state": {"w": {"exp_avg": torch.ones(2)}}}})
     assert "no model weights" in _refused(tmp_path / "nomodel")
 
@@ -232,6 +234,7 @@ def test_buffers_option_is_checked(tmp_path):
     assert "--buffers matches parameters the optimizer holds: fc.bias" in _refused(tmp_path / "ck", "--buffers",
                                                                                    "fc.bias")
     assert "is not a regular expression" in _refused(tmp_path / "ck", "--buffers", "(")
+    assert "'scal' matches no model tensor" in _refused(tmp_path / "ck", "--buffers", "scal")  # a full match
     imp = read_dcp(str(tmp_path / "ck"))  # with the optimizer, the floating buffer is named in a note
     assert "floating tensors the optimizer does not hold, imported as buffers: scale" in imp.notes
 

@@ -231,9 +231,13 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
                          "hyperparameters, in model order (if your optimizer's groups differ, the engine keeps "
                          "its own hyperparameters on load)")
     else:
+        listless = [str(i) for i in sorted(nested) if not isinstance(nested[i].get("params"), (list, tuple))]
+        if listless:
+            raise CheckpointError(folder, f"param group(s) {', '.join(listless)} of '{layout.optimizer_prefix}' have "
+                                          "no `params` list: which parameters they hold is unknown")
         groups = [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
                    "params": [str(n) for n in g["params"]]}
-                  for g in (nested[i] for i in sorted(nested)) if isinstance(g.get("params"), (list, tuple))]
+                  for g in (nested[i] for i in sorted(nested))]
     in_groups = [n for g in groups for n in g["params"]]
     absent = [n for n in list(dict.fromkeys(in_groups)) + [n for n in state if n not in in_groups]
               if n not in model]
@@ -243,6 +247,8 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
         raise CheckpointError(folder, "optimizer state for parameters in no param group: "
                                       + ", ".join(n for n in state if n not in in_groups))
     forced = {n for n in model if pattern is not None and pattern.fullmatch(n)}
+    if pattern is not None and not forced:
+        raise CheckpointError(folder, f"--buffers {buffers!r} matches no model tensor's full name")
     if layout.optimizer_prefix:
         names = in_groups or [n for n in model if n in state]
         clash = [n for n in names if n in forced]
