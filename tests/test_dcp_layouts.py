@@ -230,13 +230,14 @@ def test_buffers_option_is_checked(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    _save_single(tmp_path / "ck", {"model": msd, "optim": osd})
+    _save_single(tmp_path / "ck", {"model": msd, "optim": osd, "step": torch.tensor(1), "note": "run 7"})
     assert "--buffers matches parameters the optimizer holds: fc.bias" in _refused(tmp_path / "ck", "--buffers",
                                                                                    "fc.bias")
     assert "is not a regular expression" in _refused(tmp_path / "ck", "--buffers", "(")
     assert "'scal' matches no model tensor" in _refused(tmp_path / "ck", "--buffers", "scal")  # a full match
     imp = read_dcp(str(tmp_path / "ck"))  # with the optimizer, the floating buffer is named in a note
     assert "floating tensors the optimizer does not hold, imported as buffers: scale" in imp.notes
+    assert imp.client_state == {"step": 1, "note": "run 7"}  # scalars beside the model: client state
 
 
 def test_constant_tensors_are_never_taken_for_ties(tmp_path):

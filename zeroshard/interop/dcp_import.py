@@ -202,8 +202,8 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
             if key in owner:
                 raise CheckpointError(folder, f"{key}: in both {owner[key].folder} and {source.folder}")
             owner[key], paths[key] = source, _path_of(source.metadata, key)
-    tensors = {k for k, s in owner.items()
-               if type(s.metadata.state_dict_metadata[k]).__name__ == "TensorStorageMetadata"}
+    tensors = {k: len(e.size) for k, e in ((k, s.metadata.state_dict_metadata[k]) for k, s in owner.items())
+               if type(e).__name__ == "TensorStorageMetadata"}
     layout: Layout = classify(folder, paths, tensors)
 
     model: dict[str, Any] = {}

@@ -11,8 +11,8 @@ tools write:
    (`state.<fqn>.<k>` and `param_groups.<i>.<k>`, get_state_dict's default and Accelerate)
    or flattened, one path element `state.<fqn>.<k>` / `param_groups.<fqn>.<k>`
    (get_state_dict(..., flatten_optimizer_state_dict=True), torchtitan's OptimizersContainer);
- - torchtitan's `lr_scheduler`, `dataloader`, `train_state`, and other non-tensor entries
-   beside the model, which become client state.
+ - torchtitan's `lr_scheduler`, `dataloader`, `train_state`, and other non-tensor (or 0-d
+   tensor) entries beside the model, which become client state.
 
 Anything else is refused naming the keys not understood: nothing is dropped silently.
 """
@@ -68,9 +68,10 @@ def _split_flat(rest: str, fqns: set[str]) -> tuple[str, str] | None:
     return (head, last) if dot and head in fqns else None
 
 
-def classify(where: str, paths: dict[str, tuple], tensors: set[str]) -> Layout:
+def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int]) -> Layout:
     """The layout of a checkpoint whose flat keys have `paths`; `tensors`: the keys that are
-    tensors (the others are pickled objects). Raises CheckpointError listing what fits no layout."""
+    tensors, with their number of dimensions (the others are pickled objects). Raises
+    CheckpointError listing what fits no layout."""
     heads = {p[0] for p in paths.values() if p}
     optimizers = [h for h in OPTIMIZER_HEADS if h in heads]
     if len(optimizers) > 1:
@@ -107,7 +108,7 @@ def classify(where: str, paths: dict[str, tuple], tensors: set[str]) -> Layout:
                 bad.append(key)
             else:
                 slots[key] = slot
-        elif path[0] in EXTRA_HEADS or key not in tensors:
+        elif path[0] in EXTRA_HEADS or not tensors.get(key):  # objects and 0-d tensors ("step")
             slots[key] = Slot("extra", key=".".join(map(str, path)))
         else:
             bad.append(key)
