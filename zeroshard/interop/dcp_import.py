@@ -187,6 +187,25 @@ def _flat_groups(folder: str, options: dict[str, dict[str, Any]], order: list[st
     return groups
 
 
+def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat: dict[str, dict[str, Any]],
+            order: list[str], notes: list[str]) -> list[dict[str, Any]]:
+    """The param groups as JSON with `params` lists of FQNs, from either optimizer layout."""
+    if layout.flattened:
+        groups = _flat_groups(folder, flat, order)
+        if groups:
+            notes.append(f"param groups rebuilt from the flattened optimizer state: {len(groups)} group(s) of equal "
+                         "hyperparameters, in model order (if your optimizer's groups differ, the engine keeps "
+                         "its own hyperparameters on load)")
+        return groups
+    listless = [str(i) for i in sorted(nested) if not isinstance(nested[i].get("params"), (list, tuple))]
+    if listless:
+        raise CheckpointError(folder, f"param group(s) {', '.join(listless)} of '{layout.optimizer_prefix}' have "
+                                      "no `params` list: which parameters they hold is unknown")
+    return [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
+             "params": [str(n) for n in g["params"]]}
+            for g in (nested[i] for i in sorted(nested))]
+
+
 def read_dcp(src: str, buffers: str | None = None) -> Imported:
     """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder). `buffers`: a
     regex; model tensors whose name matches it in full are buffers, not parameters."""
@@ -224,20 +243,7 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
         else:
             extras[slot.key] = value
 
-    if layout.flattened:
-        groups = _flat_groups(folder, flat, list(model))
-        if groups:
-            notes.append(f"param groups rebuilt from the flattened optimizer state: {len(groups)} group(s) of equal "
-                         "hyperparameters, in model order (if your optimizer's groups differ, the engine keeps "
-                         "its own hyperparameters on load)")
-    else:
-        listless = [str(i) for i in sorted(nested) if not isinstance(nested[i].get("params"), (list, tuple))]
-        if listless:
-            raise CheckpointError(folder, f"param group(s) {', '.join(listless)} of '{layout.optimizer_prefix}' have "
-                                          "no `params` list: which parameters they hold is unknown")
-        groups = [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
-                   "params": [str(n) for n in g["params"]]}
-                  for g in (nested[i] for i in sorted(nested))]
+    groups = _groups(folder, layout, nested, flat, list(model), notes)
     in_groups = [n for g in groups for n in g["params"]]
     absent = [n for n in list(dict.fromkeys(in_groups)) + [n for n in state if n not in in_groups]
               if n not in model]
