@@ -375,3 +375,28 @@ def test_accelerate_fsdp_save_state(tmp_path):
     with pytest.raises(CheckpointError, match="several models or optimizers"):
         (out / "optimizer_1").mkdir()
         read_dcp(str(out))
+
+
+def test_flattened_groups_are_rebuilt_like_the_nested_ones(tmp_path):
+    """Two groups (decay / no decay, members interleaved in model order): flattened, the layout
+    keeps only each parameter's hyperparameters; the groups rebuilt equal the nested layout's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = make_model(0)
+    decay = [model.emb.weight, model.fc.weight]
+    rest = [model.norm.weight, model.norm.bias, model.fc.bias]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    model(*batch(0, 0)).backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    _save_single(tmp_path / "nested", {"model": msd, "optim": osd})
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    _save_single(tmp_path / "flat", {"model": msd, "optim": osd})
+    nested, flat = read_dcp(str(tmp_path / "nested")), read_dcp(str(tmp_path / "flat"))
+    assert [g["params"] for g in flat.param_groups] == [["emb.weight", "fc.weight"],
+                                                        ["norm.weight", "norm.bias", "fc.bias"]]
+    assert flat.param_groups == nested.param_groups
+    assert [g["weight_decay"] for g in flat.param_groups] == [0.01, 0.0]
+    assert any("2 group(s) of equal hyperparameters" in n for n in flat.notes)
+    for name, state in nested.optimizer_state.items():
+        assert all(torch.equal(state[k], flat.optimizer_state[name][k]) for k in state)
