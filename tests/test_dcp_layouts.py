@@ -34,7 +34,7 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_import import read_dcp
 
 from distributed import run_ranks
-from interop_model import BETAS, LR, MICRO_BATCH, WEIGHT_DECAY, batch, make_model, make_optimizer
+from interop_model import BETAS, LR, MICRO_BATCH, SEQ, WEIGHT_DECAY, batch, make_model, make_optimizer
 
 # tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
 TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
@@ -319,7 +319,7 @@ def test_torchtitan_checkpoint_manager(tmp_path):
     step3 = tmp_path / "ckpt" / "step-3"
     imp = read_dcp(str(step3))
     _check_trained(imp, "top-level model keys, flattened 'optimizer.*'")
-    assert imp.client_state["train_state"] == {"step": 3, "ntokens_seen": 3 * MICRO_BATCH * 6}
+    assert imp.client_state["train_state"] == {"step": 3, "ntokens_seen": 3 * MICRO_BATCH * SEQ}
     assert imp.client_state["lr_scheduler"] == {"last_epoch": 3}
     assert imp.client_state["dataloader"] == {"world_size": 2}
     assert any("not imported" in n and "dataloader.dp_rank_0" in n for n in imp.notes)
