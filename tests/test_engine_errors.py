@@ -133,8 +133,8 @@ def errors() -> list[dict[str, tuple[str, str]]]:
     ("no_parameters", "ValueError", "has no parameters"),
     ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]: zero_optimization.stage is 2 on "
                                        "rank 1, 1 on rank 0"),
-    ("model_mismatch", "EngineUsageError", "ranks built different models: rank 1 has 31 parameters, rank 0 19 "
-                                           "(parameter 'blocks.1.gain' is on rank 1 only)"),
+    ("model_mismatch", "RanksBuiltDifferentModelsError",
+     "ranks built different models: rank 1 has 31 parameters, rank 0 19 (parameter 'blocks.1.gain' is on rank 1 only)"),
     ("plain_loss_backward", "EngineUsageError", "call engine.backward(loss)"),
     ("lbfgs", "TypeError", "LBFGS updates whole tensors"),
     ("outside_unit", "EngineUsageError", "stage3_unit_classes"),
@@ -250,7 +250,7 @@ def test_ranks_building_different_models_all_get_the_same_named_error(mismatches
     assert len(messages) == 1, messages  # the same message on every rank
     for rank in range(3):
         kind, message, is_zeroshard_error = mismatches[rank][case]
-        assert kind == "EngineUsageError" and is_zeroshard_error, (case, kind, message)
+        assert kind == "RanksBuiltDifferentModelsError" and is_zeroshard_error, (case, kind, message)
         assert message.startswith("zeroshard.initialize: ranks built different models: ") and words in message, \
             (case, message)
 

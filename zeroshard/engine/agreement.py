@@ -22,7 +22,7 @@ from torch import nn
 
 from zeroshard.agree import agree, gather_all, rank_groups, ranks_text
 from zeroshard.engine.config import ConfigError, ZeroConfig
-from zeroshard.errors import EngineUsageError
+from zeroshard.errors import RanksBuiltDifferentModelsError
 
 ACTION = "zeroshard.initialize"
 _GROUPS_SHOWN = 3  # at thousands of ranks the first few differing groups say enough
@@ -65,7 +65,7 @@ def digest(model: nn.Module, cfg: ZeroConfig) -> tuple[int, ...]:
 
 def agree_on_build(error: BaseException | None, model: nn.Module, cfg: ZeroConfig | None, group: Any = None) -> None:
     """Raise on every rank if any rank failed (agree), or has another config (ConfigError) or
-    another model or way of building it (EngineUsageError: every rank must build the same model);
+    another model or way of building it (RanksBuiltDifferentModelsError: every rank must build the same model);
     both name the ranks and the difference."""
     digests = agree(error, group, action=ACTION, payload=None if error is not None else digest(model, cfg))
     if len(set(digests)) == 1:
@@ -88,8 +88,8 @@ def agree_on_build(error: BaseException | None, model: nn.Module, cfg: ZeroConfi
     what = "; ".join(_model_difference(details[g[0]], reference, ranks_text(g), ref_who)
                      for g, _ in others[:_GROUPS_SHOWN])
     more = f" (and {len(others) - _GROUPS_SHOWN} more groups of ranks)" if len(others) > _GROUPS_SHOWN else ""
-    raise EngineUsageError(f"{ACTION}: ranks built different models: {what}{more}; every rank must build the same "
-                           "model the same way")
+    raise RanksBuiltDifferentModelsError(f"{ACTION}: ranks built different models: {what}{more}; "
+                                         "every rank must build the same model the same way")
 
 
 def _config_difference(mine: str, ref: str, who: str) -> str:
