@@ -3,10 +3,13 @@ never an interrupted swap's stage, never a committed checkpoint."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+import torch
 from click.testing import CliRunner
 
 from zeroshard.cli import main
@@ -97,3 +100,67 @@ def test_clean_errors_are_one_line(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
     result = clean(tmp_path / "nothing-here")
     assert result.exit_code == 0 and "nothing to clean" in result.output
+
+
+# ---- every command's leftovers, after a SIGKILL mid-write (issue 17) ------------------------
+KILLED_AT_A_RENAME = (
+    "import os, signal, sys\n"
+    "kill_at, renames, real = int(os.environ['KILL_AT']), [0], os.replace\n"
+    "def replace(*args, **kwargs):\n"
+    "    renames[0] += 1\n"
+    "    if renames[0] == kill_at:\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)  # before this rename: files written, some in place\n"
+    "    return real(*args, **kwargs)\n"
+    "os.replace = replace\n"
+    "from zeroshard.cli import main\n"
+    "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
+    "main()\n")
+
+
+def _sources(tmp_path):
+    from safetensors.torch import save_file
+    from test_safety_interop import ds_copy, save_dcp, zs_ckpt
+
+    ck = zs_ckpt(tmp_path)
+    model = tmp_path / "m.safetensors"
+    save_file({f"w{i}": torch.randn(40 + i) for i in range(6)}, str(model))
+    return {"ck": ck, "model": model, "ds": ds_copy(tmp_path), "dcp": save_dcp(tmp_path / "dcp_src")}
+
+
+COMMANDS = {  # name: (arguments with {ck}, {model}, {ds}, {dcp}, {out}; the rename to die at)
+    "reshard": ("reshard {ck} --to 3 -o {out}", 2),
+    "consolidate-hf": ("consolidate {ck} {out} --max-shard-size 200B", 2),
+    "consolidate-file": ("consolidate {ck} {out}/m.safetensors", 1),
+    "shard": ("shard {model} {out} --world 3", 2),
+    "import-deepspeed": ("import deepspeed {ds} {out} --world 2", 2),
+    "import-dcp": ("import dcp {dcp} {out} --world 2", 2),
+    "export-dcp": ("export dcp {ck} {out}", 1),
+}
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_clean_removes_what_any_killed_command_left(tmp_path, command, existing):
+    """SIGKILL half-way through writing: what is left is leftovers only, and `zeroshard clean`
+    (default age: the dead owner is on this host) brings the output back to what it was."""
+    from test_safety_interop import snapshot
+
+    sources = _sources(tmp_path)
+    inputs = {name: snapshot(path) if path.is_dir() else path.read_bytes() for name, path in sources.items()}
+    template, kill_at = COMMANDS[command]
+    out = tmp_path / "out"
+    args = template.format(out=out, **sources).split()
+    if existing:
+        result = subprocess.run([sys.executable, "-m", "zeroshard.cli", *args, "-q"], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+    before = snapshot(out) if existing else {}
+    result = subprocess.run([sys.executable, "-c", KILLED_AT_A_RENAME, *args, "-q", "--overwrite"],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, KILL_AT=str(kill_at)))
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    result = clean(tmp_path, "--yes")
+    assert result.exit_code == 0 and "removed" in result.output, result.output
+    after = snapshot(out) if out.exists() else {}
+    assert {k: v for k, v in after.items() if v != "folder"} == {k: v for k, v in before.items() if v != "folder"}
+    assert not [p for p in tmp_path.rglob(".zeroshard-*")]
+    assert inputs == {name: snapshot(path) if path.is_dir() else path.read_bytes() for name, path in sources.items()}
