@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from zeroshard.toolkit.verify import verify
 
@@ -99,3 +100,38 @@ def test_the_same_arguments_spelled_differently_are_accepted(tmp_path):
     merged = {k: v for f in (tmp_path / "hf").glob("model-*.safetensors") for k, v in load_file(f).items()}
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
     assert_same({k: v for k, v in full.items() if not k.startswith(("optimizer/", "rng/"))}, merged)
+
+
+# ---- an output path that is a file (issue 17) --------------------------------------------------
+def test_an_output_that_is_a_file_is_one_line_naming_it(tmp_path):
+    from click.testing import CliRunner
+
+    from zeroshard.cli import main
+
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 2)
+    save_file({"w": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"precious")
+    (tmp_path / "dir.safetensors").mkdir()
+    cases = [(["reshard", "c", "--to", "3", "-o", "file"], "file: exists and is a file"),
+             (["reshard", "c", "--to", "3", "-o", "file/sub"], f"{blocker}: exists and is a file"),
+             (["consolidate", "c", "file"], "file: exists and is a file"),
+             (["consolidate", "c", "file/m.safetensors"], "file: exists and is a file"),
+             (["consolidate", "c", "dir.safetensors"], "dir.safetensors: exists and is a folder, not a file"),
+             (["shard", "m.safetensors", "file", "--world", "2"], "file: exists and is a file"),
+             (["export", "dcp", "c", "file"], "file: exists and is a file")]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        for args, needle in cases:
+            result = CliRunner().invoke(main, [*args, "--overwrite", "-q"])
+            assert result.exit_code == 1, (args, result.output)
+            assert len(result.output.strip().splitlines()) == 1 and needle in result.output, (args, result.output)
+            assert "Errno" not in result.output
+    finally:
+        os.chdir(cwd)
+    assert blocker.read_bytes() == b"precious" and not list((tmp_path / "dir.safetensors").iterdir())
+    result = torchrun_per_rank(tmp_path, "reshard", str(tmp_path / "c"), "--to", "3", "-o", str(blocker))
+    assert result.returncode != 0 and f"{blocker}: exists and is a file" in result.stderr, result.stderr[-2000:]
+    assert "Errno" not in result.stderr and blocker.read_bytes() == b"precious"
