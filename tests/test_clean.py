@@ -164,3 +164,59 @@ def test_clean_removes_what_any_killed_command_left(tmp_path, command, existing)
     assert {k: v for k, v in after.items() if v != "folder"} == {k: v for k, v in before.items() if v != "folder"}
     assert not [p for p in tmp_path.rglob(".zeroshard-*")]
     assert inputs == {name: snapshot(path) if path.is_dir() else path.read_bytes() for name, path in sources.items()}
+
+
+def _dead_claim(folder) -> None:
+    (folder / CLAIM_NAME).write_text(json.dumps({"owner": dead_owner(), "time": time.time(), "nonce": "n"}))
+
+
+def test_clean_finds_output_files_written_in_place_by_a_dead_writer(tmp_path):
+    """An older zeroshard (or an S3 output) wrote straight into an empty folder and died before
+    its commit file: the claim beside the files tells they are its, and nothing vouches for them."""
+    names = ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors", "model-00001-of-00002.safetensors"]
+    cases = {}
+    for case in ("dead", "committed", "swapping", "live", "single"):
+        folder = tmp_path / case
+        folder.mkdir()
+        for name in (names if case != "single" else ["model.safetensors"]):
+            (folder / name).write_bytes(b"x" * 10)
+        (folder / "notes.txt").write_text("mine")
+        cases[case] = folder
+        if case == "live":
+            (folder / CLAIM_NAME).write_text(json.dumps({"owner": owner_tag(), "time": time.time(), "nonce": "n"}))
+        else:
+            _dead_claim(folder)
+    (cases["committed"] / "zeroshard.json").write_text("{}")
+    stage = cases["swapping"] / f".zeroshard-tmp-{dead_owner()}-abcd1234-stage"
+    stage.mkdir()
+    (stage / SWAP_MARKER).write_text("swap")
+    (stage / "zeroshard.json").write_text("{}")
+
+    result = clean(tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "uncommitted file" in result.output and str(cases["dead"] / names[0]) in result.output
+    result = clean(tmp_path, "--yes")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in cases["dead"].iterdir()) == ["notes.txt"]  # files and claim gone
+    for case in ("committed", "swapping", "live"):
+        assert all((cases[case] / name).exists() for name in names), case
+    assert (cases["single"] / "model.safetensors").exists()  # no commit file exists for it: never taken
+
+
+def test_clean_finds_uncommitted_output_files_on_s3(s3_bucket):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    bucket = s3_bucket[len("s3://"):]
+    claim = json.dumps({"owner": dead_owner(), "time": time.time(), "nonce": "n"}).encode()
+    for folder in ("dead", "committed"):
+        fs.pipe_file(f"{bucket}/{folder}/rank-00000-of-00001.safetensors", b"x" * 10)
+        fs.pipe_file(f"{bucket}/{folder}/{CLAIM_NAME}", claim)
+    fs.pipe_file(f"{bucket}/committed/zeroshard.json", b"{}")
+    result = clean(s3_bucket, "--yes")
+    assert result.exit_code == 0, result.output
+    fs.invalidate_cache()
+    assert not fs.exists(f"{bucket}/dead/rank-00000-of-00001.safetensors")
+    assert not fs.exists(f"{bucket}/dead/{CLAIM_NAME}")
+    assert fs.exists(f"{bucket}/committed/rank-00000-of-00001.safetensors")
+    assert fs.exists(f"{bucket}/committed/zeroshard.json")
