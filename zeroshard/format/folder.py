@@ -8,7 +8,7 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-from zeroshard.errors import CheckpointError, OutputExistsError
+from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -81,24 +81,6 @@ def open_checkpoint(url_or_location: str | Location, storage_options: dict | Non
     location = url_or_location if isinstance(url_or_location, Location) else Location(url_or_location, storage_options)
     resolved = resolve_checkpoint(location)
     return resolved, load_manifest(resolved)
-
-
-def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
-    """Make `location` ready to receive a new checkpoint; returns the names already there.
-
-    An existing, non-empty folder is refused unless `overwrite`. When overwriting, the old
-    manifest goes first, so the folder never looks like a complete checkpoint while it is
-    being rewritten; stale rank files are removed after the new manifest lands. (This loses the
-    old checkpoint if the new write fails: the toolkit uses format.output.prepare_output,
-    which keeps it until the new one commits.)
-    """
-    existing = location.list() if location.exists() else []
-    if existing and not overwrite:
-        raise OutputExistsError(location.url)
-    if MANIFEST_NAME in existing:
-        location.remove(MANIFEST_NAME)
-    location.makedirs()
-    return existing
 
 
 def commit_checkpoint(location: Location, manifest: Manifest, previous_names: list[str] = (),
