@@ -349,6 +349,20 @@ class ZeroEngine:
         return self._refresh
 
     @property
+    def param_gather_group(self) -> Any:
+        """The process group of parameter all-gathers (separate from gradient reductions)."""
+        return self._ag_group
+
+    @property
+    def buffer_dtypes(self) -> dict[str, torch.dtype]:
+        """Buffer name -> its dtype before the engine cast it to the compute dtype."""
+        return self._buffer_dtypes
+
+    def shard_of(self, param: torch.Tensor) -> ParamShard | None:
+        """The shard of a module parameter (None for a tensor that is not one)."""
+        return self._shard_by_param.get(id(param))
+
+    @property
     def stage3_scheduler(self) -> Stage3 | None:
         """Stage 3: the units and their gather/free state (for diagnostics)."""
         return self._stage3

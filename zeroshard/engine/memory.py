@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 if TYPE_CHECKING:
-    from zeroshard.engine.engine import ZeroEngine
+    from zeroshard.engine.engine_view import EngineView
 
 
-def report(engine: "ZeroEngine") -> dict[str, int]:
+def report(engine: "EngineView") -> dict[str, int]:
     """Bytes held now, in the ZeRO paper's categories.
 
     params: module parameters in the compute dtype (stage 3: only units gathered right now);
@@ -53,8 +53,8 @@ def report(engine: "ZeroEngine") -> dict[str, int]:
         "optimizer": master + opt_state,
         "buffers": count(module.buffers()),
         "comm": engine.reducer.held_bytes()
-        + (engine._stage3.inflight_bytes() if engine._stage3 is not None else 0)
-        + (engine._refresh.inflight_bytes() if engine._refresh is not None else 0),
+        + (engine.stage3_scheduler.inflight_bytes() if engine.stage3_scheduler is not None else 0)
+        + (engine.param_refresh.inflight_bytes() if engine.param_refresh is not None else 0),
     }
     out["total"] = sum(out.values())
     out["master"] = master

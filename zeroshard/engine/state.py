@@ -18,10 +18,10 @@ from zeroshard.engine.layout import ShardInfo, rows_to_flat, set_fragment
 from zeroshard.engine.optim import group_names
 
 if TYPE_CHECKING:
-    from zeroshard.engine.engine import ZeroEngine
+    from zeroshard.engine.engine_view import EngineView
 
 
-def named_shards(engine: "ZeroEngine") -> Iterator[tuple[str, ShardInfo]]:
+def named_shards(engine: "EngineView") -> Iterator[tuple[str, ShardInfo]]:
     for s in engine.shards:
         yield s.name, ShardInfo(
             name=s.name, shape=tuple(s.shape), dtype=s.dtype, start=s.start, end=s.end, chunk=s.chunk,
@@ -29,7 +29,7 @@ def named_shards(engine: "ZeroEngine") -> Iterator[tuple[str, ShardInfo]]:
             optimizer_state=engine.optimizer.state.get(s.master, {}) if s.requires_grad else {})
 
 
-def load_shards(engine: "ZeroEngine", states: Mapping[str, Mapping[str, Any]], strict: bool = True,
+def load_shards(engine: "EngineView", states: Mapping[str, Mapping[str, Any]], strict: bool = True,
                 adopt: bool = False) -> None:
     """Assign `{"fragment": tensor, "optimizer_state": {...}}` per parameter name.
 
@@ -74,7 +74,7 @@ def _pad_state(value: Any, master: torch.Tensor, owned: int, adopt: bool = False
     return out
 
 
-def _masters_to_params(engine: "ZeroEngine", shards: list) -> None:
+def _masters_to_params(engine: "EngineView", shards: list) -> None:
     if engine.stage == 3:
         return  # the next gather reads the masters
     if engine.stage == 0:
@@ -83,11 +83,11 @@ def _masters_to_params(engine: "ZeroEngine", shards: list) -> None:
                 if s.master.data_ptr() != s.param.data.data_ptr():
                     s.param.data.copy_(s.master.view(s.shape))
         return
-    gather_into_params(engine.shards, engine.compute_dtype, engine.world_size, engine._ag_group,
+    gather_into_params(engine.shards, engine.compute_dtype, engine.world_size, engine.param_gather_group,
                        int(engine.config.zero_optimization.allgather_bucket_size), engine.device)
 
 
-def full_state_dict(engine: "ZeroEngine") -> dict[str, Any]:
+def full_state_dict(engine: "EngineView") -> dict[str, Any]:
     """Gather each parameter to rank 0 in turn (one tensor in flight); others return {}."""
     refs = engine.module.state_dict(keep_vars=True)
     root = engine.rank == 0
@@ -95,7 +95,7 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, Any]:
     done: dict[int, torch.Tensor | None] = {}
     with torch.no_grad():
         for key, value in refs.items():
-            s = engine._shard_by_param.get(id(value))
+            s = engine.shard_of(value)
             if s is not None:
                 if s.index not in done:  # tied parameters: gathered once (on every rank)
                     done[s.index] = _gather_full(engine, s)
@@ -103,14 +103,14 @@ def full_state_dict(engine: "ZeroEngine") -> dict[str, Any]:
                     out[key] = done[s.index]
             elif root:
                 if torch.is_tensor(value):
-                    dtype = engine._buffer_dtypes.get(key, value.dtype)
+                    dtype = engine.buffer_dtypes.get(key, value.dtype)
                     out[key] = value.detach().to("cpu", dtype).clone()
                 else:
                     out[key] = value  # extra state, passed through
     return out
 
 
-def _gather_full(engine: "ZeroEngine", s: Any) -> torch.Tensor | None:
+def _gather_full(engine: "EngineView", s: Any) -> torch.Tensor | None:
     if engine.shard_world_size == 1:
         return s.master[: s.numel].detach().to("cpu").clone().view(s.shape)
     root = engine.rank == 0
@@ -125,7 +125,7 @@ def _gather_full(engine: "ZeroEngine", s: Any) -> torch.Tensor | None:
     return full.view(s.shape)
 
 
-def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], strict: bool = True) -> None:
+def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], strict: bool = True) -> None:
     """Every rank passes the full state dict; each keeps its own range. No communication."""
     refs = engine.module.state_dict(keep_vars=True)
     missing = [k for k in refs if k not in state_dict]
@@ -138,7 +138,7 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], st
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            s = engine._shard_by_param.get(id(ref))
+            s = engine.shard_of(ref)
             if s is not None:
                 if tuple(value.shape) != tuple(s.shape):
                     raise ValueError(f"{key}: shape {tuple(value.shape)} != model's {tuple(s.shape)}")
@@ -150,18 +150,18 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, Any], st
                 ref.data.copy_(value.detach().to(ref.device, ref.dtype))
 
 
-def checkpoint_state(engine: "ZeroEngine") -> EngineState:
+def checkpoint_state(engine: "EngineView") -> EngineState:
     """Live references to everything a checkpoint holds of this rank (see contract.py)."""
     engine.wait_params()
     aliases: dict[str, str] = {}
     buffers: list[BufferState] = []
     for key, value in engine.module.state_dict(keep_vars=True).items():
-        shard = engine._shard_by_param.get(id(value))
+        shard = engine.shard_of(value)
         if shard is not None:
             if shard.name != key:
                 aliases[key] = shard.name
         elif torch.is_tensor(value):
-            buffers.append(BufferState(key, value.detach(), engine._buffer_dtypes.get(key, value.dtype)))
+            buffers.append(BufferState(key, value.detach(), engine.buffer_dtypes.get(key, value.dtype)))
     names = group_names(engine.optimizer, engine.shards)
     groups = tuple(ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
                    for g, n in zip(engine.optimizer.param_groups, names))
@@ -175,7 +175,7 @@ def checkpoint_state(engine: "ZeroEngine") -> EngineState:
         loss_scaler=engine.scaler.state_dict(), param_groups=groups)
 
 
-def restore(engine: "ZeroEngine", state: EngineState, strict: bool = True, adopt: bool = False) -> None:
+def restore(engine: "EngineView", state: EngineState, strict: bool = True, adopt: bool = False) -> None:
     """Apply `state` (collective at stages 1-2: every rank calls it).
 
     Each ShardInfo must have this rank's range (start/end/chunk) of its parameter; its `master`
@@ -211,7 +211,7 @@ def restore(engine: "ZeroEngine", state: EngineState, strict: bool = True, adopt
         engine.scaler.load_state_dict(dict(state.loss_scaler))
 
 
-def _restore_param_groups(engine: "ZeroEngine", saved: tuple[ParamGroup, ...]) -> None:
+def _restore_param_groups(engine: "EngineView", saved: tuple[ParamGroup, ...]) -> None:
     groups = engine.optimizer.param_groups
     if len(saved) != len(groups):
         raise ValueError(f"saved state has {len(saved)} param groups, the optimizer {len(groups)}")

@@ -35,7 +35,7 @@ from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.identity import identity
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
+from zeroshard.toolkit.plans import Finished, FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 
 
@@ -215,7 +215,6 @@ def _same_everywhere(described: list[dict[str, str]]) -> None:
 
 
 def _finished_stubs(plans: list, temp_paths: dict[int, str]) -> list:
-    from zeroshard.toolkit.transfer import Finished
 
     return [Finished(plan.name, temp_paths[i], plan.size) for i, plan in enumerate(plans)]
 

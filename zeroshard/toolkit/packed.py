@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -37,10 +37,7 @@ from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import TEMP_PREFIX, Location, read_regular_file, storage_errors
 from zeroshard.storage.owner import owner_tag
-
-if TYPE_CHECKING:
-    from zeroshard.toolkit.plans import RankFilePlans, Task
-    from zeroshard.toolkit.transfer import Finished, Job
+from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
 PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
 PACK_INPUT_BYTES = 64 * 1024 * 1024  # ... from inputs up to this size (read whole, by every task that needs them)
@@ -52,7 +49,7 @@ GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory 
 _layouts: dict[tuple, RankLayouts] = {}  # per process: tasks of one job share them
 
 
-def fits(job: "Job", planner: "RankFilePlans") -> bool:
+def fits(job: Job, planner: RankFilePlans) -> bool:
     """Whether this job's inputs and outputs are local files small enough for this path."""
     if len(job.manifest.files) + planner.world_size < PACK_MIN_FILES:
         return False
@@ -92,8 +89,8 @@ class _Fallback(Exception):
     """This task cannot be done here; the general path will do it (and explain what is off)."""
 
 
-def run_packed(job: "Job", planner: "RankFilePlans", task: "Task",
-               progress: Callable[[int], None] | None) -> dict[int, "Finished"] | None:
+def run_packed(job: Job, planner: RankFilePlans, task: Task,
+               progress: Callable[[int], None] | None) -> dict[int, Finished] | None:
     """Write the task's whole outputs; None when the general path must do it instead."""
     try:
         return _run(job, planner, task, progress)
@@ -101,9 +98,8 @@ def run_packed(job: "Job", planner: "RankFilePlans", task: "Task",
         return None
 
 
-def _run(job: "Job", planner: "RankFilePlans", task: "Task",
-         progress: Callable[[int], None] | None) -> dict[int, "Finished"]:
-    from zeroshard.toolkit.transfer import Finished
+def _run(job: Job, planner: RankFilePlans, task: Task,
+         progress: Callable[[int], None] | None) -> dict[int, Finished]:
 
     manifest = job.manifest
     source_layouts = _input_layouts(manifest)

@@ -1,12 +1,13 @@
 """Planning a copy: every output file's header, size and tensors, and how the work splits into
-tasks. Pure arithmetic over the manifest, no I/O (zeroshard.toolkit.transfer runs the tasks)."""
+tasks. Pure arithmetic over the manifest, no I/O (zeroshard.toolkit.transfer runs the tasks; a
+Job is what it is given, Finished what each task returns)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from zeroshard.format.manifest import HASH_TABLE_NAME, TensorEntry, rank_contents, rank_file_name
+from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
 from zeroshard.format.writer import rank_metadata
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
@@ -148,3 +149,27 @@ def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) 
         used += cost
         group_bytes += t.nbytes
     return [Task([index], {index: g}) for g in groups]
+
+
+@dataclass
+class Finished:
+    """An output written completely under `temp_path`, ready to be moved to `name`."""
+
+    name: str
+    temp_path: str
+    size: int
+    file_hash: str = ""
+    fragment_hashes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Job:
+    """Everything a worker needs, picklable: where to read, what to write."""
+
+    source_url: str
+    storage_options: dict
+    manifest: Manifest
+    target_url: str
+    planner: FixedPlans | RankFilePlans
+    temp_paths: dict[int, str] = field(default_factory=dict)  # outputs created up front (split tasks)
+    verify_hashes: bool = True

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import Manifest
 from zeroshard.format.reader import CheckpointReader, fragments_of
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
@@ -32,37 +30,13 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.output_hashes import InOrderHashes
-from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, Task
+from zeroshard.toolkit.plans import Finished, Job, OutputPlan, RankFilePlans, Task
 from zeroshard.toolkit.workers import worker_pool
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
 STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: each stays in the CPU's cache
 MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side, at most this many at once
-
-
-@dataclass
-class Finished:
-    """An output written completely under `temp_path`, ready to be moved to `name`."""
-
-    name: str
-    temp_path: str
-    size: int
-    file_hash: str = ""
-    fragment_hashes: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Job:
-    """Everything a worker needs, picklable: where to read, what to write."""
-
-    source_url: str
-    storage_options: dict
-    manifest: Manifest
-    target_url: str
-    planner: FixedPlans | RankFilePlans
-    temp_paths: dict[int, str] = field(default_factory=dict)  # outputs created up front (split tasks)
-    verify_hashes: bool = True
 
 
 def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
