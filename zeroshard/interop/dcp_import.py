@@ -85,6 +85,7 @@ def _assemble(folder: str, metadata: Any, key: str, entry: Any, chunks: dict) ->
 
 def read_dcp(src: str) -> Imported:
     """Read the DCP checkpoint folder `src`."""
+    src = os.fspath(src)  # any os.PathLike
     import torch
 
     folder = src.rstrip("/") or "/"
