@@ -219,3 +219,34 @@ def _zero_init_defers(rank, world_size):
 def test_zero_init_builds_on_meta_and_initialize_materializes_the_same_weights():
     for on_meta, same in run_ranks(_zero_init_defers, 2, init_process_group=False):
         assert on_meta and same
+
+
+def _rng_after_load(rank, world_size, path):
+    import random
+
+    import numpy as np
+
+    import zeroshard.deepspeed as deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config={**CONFIG, "zero_optimization": {"stage": 2}})
+    _train(engine, range(2), rank)
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    engine.save_checkpoint(path)
+    saved_stream = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    draws = {}
+    for opt_in in (False, True):
+        torch.manual_seed(99), random.seed(99), np.random.seed(99)
+        own_stream = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+        torch.manual_seed(99), random.seed(99), np.random.seed(99)
+        engine.load_checkpoint(path, load_rng_states=True) if opt_in else engine.load_checkpoint(path)
+        draws[opt_in] = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    return saved_stream, own_stream, draws
+
+
+def test_load_checkpoint_leaves_rng_alone_unless_asked(tmp_path):
+    """DeepSpeed's load_checkpoint never touches the RNG streams; load_rng_states=True restores the saved ones."""
+    for saved_stream, own_stream, draws in run_ranks(_rng_after_load, 2, path=str(tmp_path / "c"),
+                                                     init_process_group=False):
+        assert saved_stream != own_stream
+        assert draws[False] == own_stream  # untouched: the script's own seeding decides
+        assert draws[True] == saved_stream

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpointing import RNGState
 from zeroshard.errors import CheckpointError
 
 
@@ -134,9 +135,15 @@ class DeepSpeedEngine:
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None, *,
+                        load_rng_states: bool = False) -> tuple[str | None, Any]:
         """Load load_dir/tag (or what load_dir/latest names); (None, None) when there is no
-        `latest`, as DeepSpeed. Returns (checkpoint path, client_state)."""
+        `latest`, as DeepSpeed. Returns (checkpoint path, client_state).
+
+        The RNG streams (torch, CUDA, NumPy, Python) are left as they are, as DeepSpeed does:
+        a resumed script draws its dropout masks from wherever its own seeding put them.
+        load_rng_states=True (zeroshard only) restores the streams saved with the checkpoint
+        (same world size), so that a resumed run continues exactly like an uninterrupted one."""
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported")
         path = load_dir if tag is None else os.path.join(load_dir, str(tag))
@@ -145,6 +152,9 @@ class DeepSpeedEngine:
             return None, None
         with_optimizer = load_optimizer_states and not load_module_only
         scheduler = self.lr_scheduler if load_lr_scheduler_states and not load_module_only else None
+        # the native load restores the saved RNG streams; DeepSpeed's never touches them
+        rng = None if load_rng_states else RNGState(self.device)
+        before = rng.state_dict() if rng is not None else None
         try:
             client = self.engine.load_checkpoint(path, strict=load_module_strict,
                                                  load_optimizer_states=with_optimizer, lr_scheduler=scheduler)
@@ -153,6 +163,9 @@ class DeepSpeedEngine:
                 raise CheckpointError(path, "this is a DeepSpeed checkpoint: convert it once with "
                                             f"`zeroshard import deepspeed {path} OUT`, then load OUT") from exc
             raise
+        finally:
+            if rng is not None:
+                rng.load_state_dict(before)
         return path, client
 
     def __getattr__(self, name: str) -> Any:
