@@ -331,12 +331,21 @@ def _refusals(rank, world_size, stage):
     engine.set_gradient_accumulation_boundary(False)  # agrees with the engine's count: accepted
     sd = engine.state_dict()
     empties = [k for k, v in sd.items() if v.numel() == 0]
-    return messages, hasattr(engine, "offload_states"), empties, engine.zero_optimization_partition_weights()
+    full = engine._zero3_consolidated_16bit_state_dict()  # Accelerate's way to the full weights
+    expected = make_model(0).state_dict()
+    same = list(full) == list(expected) and all(torch.equal(full[k], v) for k, v in expected.items())
+    # load_state_dict writes the fp32 masters too (at any stage), not only the module's tensors
+    engine.load_state_dict({f"module.{k}": v + 1 for k, v in expected.items()})
+    after = engine._zero3_consolidated_16bit_state_dict()
+    same = same and all(torch.equal(after[k], v + 1) for k, v in expected.items())
+    return messages, hasattr(engine, "offload_states"), empties, engine.zero_optimization_partition_weights(), same
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_what_the_facade_refuses_is_one_line_naming_the_feature(stage):
-    messages, has_offload, empties, partitioned = run_ranks(_refusals, 1, stage=stage, init_process_group=False)[0]
+    messages, has_offload, empties, partitioned, consolidated = run_ranks(_refusals, 1, stage=stage,
+                                                                          init_process_group=False)[0]
+    assert consolidated
     names = ["to(meta)", "half()", "offload_states", "zero_reduce_bucket_size", "backward(retain_graph=True",
              "set_gradient_accumulation_boundary", "compile"]
     for message, name in zip(messages, names):
