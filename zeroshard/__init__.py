@@ -17,6 +17,7 @@ from zeroshard.errors import (
     OutputExistsError,
     PeerLostError,
     StorageError,
+    UnsupportedFeatureError,
     ZeroshardError,
 )
 
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
-           "ConfigError", "EngineUsageError", "__version__"]
+           "ConfigError", "EngineUsageError", "UnsupportedFeatureError", "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",

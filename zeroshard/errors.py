@@ -12,6 +12,7 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- PeerLostError               a collective lost contact with other ranks (a node died), naming them
     +-- ConfigError (also ValueError)  an invalid engine config
     +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
+    +-- UnsupportedFeatureError (also NotImplementedError)  a DeepSpeed feature zeroshard.deepspeed refuses
 """
 
 from __future__ import annotations
@@ -104,3 +105,7 @@ class ConfigError(ZeroshardError, ValueError):
 
 class EngineUsageError(ZeroshardError, RuntimeError):
     """The engine was used out of order or against its rules (the message says which and how to fix it)."""
+
+
+class UnsupportedFeatureError(ZeroshardError, NotImplementedError):
+    """A DeepSpeed feature zeroshard.deepspeed does not provide (the message names it and says why)."""

@@ -8,7 +8,7 @@ spelling: batch sizes and flags are methods, the LR scheduler is stepped inside 
 every applied optimizer step, save_checkpoint returns True, load_checkpoint returns
 (path, client_state) and leaves the RNG streams alone. An attribute not found here is looked
 up on the model (as DeepSpeed does), then on the native engine. DeepSpeed features the facade
-does not have raise a one-line UnsupportedDeepSpeedFeature (surface.py); docs/DEEPSPEED.md has
+does not have raise a one-line UnsupportedFeatureError (surface.py); docs/DEEPSPEED.md has
 the audit table.
 """
 

@@ -13,8 +13,8 @@ from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.launch import init_distributed
 from zeroshard.deepspeed.lr_schedules import build_scheduler
 from zeroshard.deepspeed.optimizers import build_optimizer
-from zeroshard.deepspeed.surface import UnsupportedDeepSpeedFeature
 from zeroshard.deepspeed.zero import register_engine
+from zeroshard.errors import UnsupportedFeatureError
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
@@ -42,7 +42,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
-        raise UnsupportedDeepSpeedFeature("deepspeed.initialize(mpu=..., mesh_param=...) (DeepSpeed feature: model/"
+        raise UnsupportedFeatureError("deepspeed.initialize(mpu=..., mesh_param=...) (DeepSpeed feature: model/"
                                           "sequence parallelism) is not supported by zeroshard.deepspeed: data "
                                           "parallel only")
     init_distributed(distributed_port=distributed_port)

@@ -1,7 +1,7 @@
 """The parts of DeepSpeed 0.19.8's DeepSpeedEngine that the facade refuses, each with its reason.
 
 `refusal(name)` is the one-line error for a DeepSpeedEngine attribute the facade does not
-provide (a ZeroshardError and a NotImplementedError). It is an AttributeError too, so
+provide (an UnsupportedFeatureError: a ZeroshardError and a NotImplementedError). It is an AttributeError too, so
 `hasattr(engine, name)` (feature detection, as Accelerate and the HF Trainer do) answers False
 instead of raising. The audit table in
 docs/DEEPSPEED.md lists what is supported, what differs and what is refused.
@@ -9,14 +9,10 @@ docs/DEEPSPEED.md lists what is supported, what differs and what is refused.
 
 from __future__ import annotations
 
-from zeroshard.errors import ZeroshardError
+from zeroshard.errors import UnsupportedFeatureError
 
 
-class UnsupportedDeepSpeedFeature(ZeroshardError, NotImplementedError):
-    """A DeepSpeed feature zeroshard.deepspeed does not provide (the message says which and why)."""
-
-
-class UnsupportedDeepSpeedAttribute(UnsupportedDeepSpeedFeature, AttributeError):
+class _RefusedAttribute(UnsupportedFeatureError, AttributeError):
     """A DeepSpeedEngine attribute the facade does not provide: hasattr() answers False."""
 
 
@@ -107,9 +103,9 @@ DEEPSPEED_ENGINE_NAMES = frozenset({
 REFUSED: dict[str, str] = {name: why for why, names in _REASONS.items() for name in names}
 
 
-def refusal(name: str) -> UnsupportedDeepSpeedAttribute:
+def refusal(name: str) -> UnsupportedFeatureError:
     """The error for DeepSpeedEngine.<name> (an attribute, or a call with arguments the facade refuses)."""
     why = REFUSED.get(name, "a DeepSpeed tuning or internal getter with no zeroshard equivalent (the native "
                             "engine's settings: docs/ENGINE.md)")
-    return UnsupportedDeepSpeedAttribute(f"DeepSpeedEngine.{name} (DeepSpeed feature) is not supported by "
+    return _RefusedAttribute(f"DeepSpeedEngine.{name} (DeepSpeed feature) is not supported by "
                                        f"zeroshard.deepspeed: {why}")
