@@ -115,7 +115,8 @@ class DeepSpeedEngine(nn.Module):
                                          and device.index in (None, self.device.index))
         if same_device and dtype in (None, self.engine.compute_dtype):
             return self
-        raise refusal(f"to({', '.join(map(str, args))}) (moving or casting the engine; it is on {self.device})")
+        given = ", ".join([*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())])
+        raise refusal(f"to({given}) (moving or casting the engine; it is on {self.device})")
 
     def cuda(self, device: Any = None) -> "DeepSpeedEngine":
         return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
