@@ -4,6 +4,7 @@ zero.GatheredParameters, the optimizer section, accelerator and small pass-throu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from distributed import run_ranks
 from interop_model import batch, make_model
 
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 CONFIG = {"train_batch_size": 16, "gradient_accumulation_steps": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}}}
@@ -173,7 +175,7 @@ def _initialize_errors(rank, world_size):
 
 def test_initialize_refuses_ambiguity():
     assert run_ranks(_initialize_errors, 1, init_process_group=False)[0] == ["ValueError", "ValueError", "ValueError",
-                                                                             "NotImplementedError"]
+                                                                             "UnsupportedFeatureError"]
 
 
 def _load_deepspeed_folder(rank, world_size, path):
@@ -210,8 +212,7 @@ def _zero_init_defers(rank, world_size):
     engine, *_ = deepspeed.initialize(model=deferred, config={**CONFIG, "zero_optimization": {"stage": 3}})
     torch.manual_seed(0)
     eager = make_model(0)
-    full = engine.module_state_dict() if hasattr(engine, "module_state_dict") else None
-    state = engine.engine.full_state_dict() if full is None else full
+    state = engine.engine.full_state_dict()
     same = all(torch.equal(state[k].cpu(), v) for k, v in eager.state_dict().items()) if rank == 0 else True
     return on_meta, same
 
@@ -219,3 +220,136 @@ def _zero_init_defers(rank, world_size):
 def test_zero_init_builds_on_meta_and_initialize_materializes_the_same_weights():
     for on_meta, same in run_ranks(_zero_init_defers, 2, init_process_group=False):
         assert on_meta and same
+
+
+def _rng_after_load(rank, world_size, path):
+    import random
+
+    import numpy as np
+
+    import zeroshard.deepspeed as deepspeed
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config={**CONFIG, "zero_optimization": {"stage": 2}})
+    _train(engine, range(2), rank)
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    engine.save_checkpoint(path)
+    saved_stream = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    draws = {}
+    for opt_in in (False, True):
+        torch.manual_seed(99), random.seed(99), np.random.seed(99)
+        own_stream = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+        torch.manual_seed(99), random.seed(99), np.random.seed(99)
+        engine.load_checkpoint(path, load_rng_states=True) if opt_in else engine.load_checkpoint(path)
+        draws[opt_in] = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    return saved_stream, own_stream, draws
+
+
+def test_load_checkpoint_leaves_rng_alone_unless_asked(tmp_path):
+    """DeepSpeed's load_checkpoint never touches the RNG streams; load_rng_states=True restores the saved ones."""
+    for saved_stream, own_stream, draws in run_ranks(_rng_after_load, 2, path=str(tmp_path / "c"),
+                                                     init_process_group=False):
+        assert saved_stream != own_stream
+        assert draws[False] == own_stream  # untouched: the script's own seeding decides
+        assert draws[True] == saved_stream
+
+
+def _module_surface(rank, world_size, which, stage):
+    """What a script can see of the engine as an nn.Module (the same code under either library)."""
+    if which == "deepspeed":
+        import deepspeed
+    else:
+        import zeroshard.deepspeed as deepspeed
+
+    model = make_model(0)
+    model.custom_attr = 7
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    # a client optimizer: DeepSpeed's config optimizer would JIT-compile FusedAdam on CPU
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    seen = []
+    engine.register_forward_pre_hook(lambda mod, args: seen.append(("pre", type(mod).__name__, len(args))))
+    handle = engine.register_forward_hook(lambda mod, args, out: seen.append(("post", type(mod).__name__,
+                                                                              round(out.item(), 5))))
+    loss = engine(*batch(0, rank))
+    handle.remove()
+    engine(*batch(0, rank))
+    modes = []
+    for flip in (engine.eval, engine.train):
+        flip()
+        modes.append((engine.training, model.training, all(m.training == model.training for m in model.modules())))
+    sd = engine.state_dict()
+    facts = {
+        "is_module": isinstance(engine, torch.nn.Module), "module_is_model": engine.module is model,
+        "named_parameters": [n for n, _ in engine.named_parameters()],
+        "n_parameters": len(list(engine.parameters())),
+        "named_buffers": [n for n, _ in engine.named_buffers()],
+        "modules": [type(m).__name__ for m in engine.modules()],
+        "children": [n for n, _ in engine.named_children()],
+        "state_dict_keys": list(sd),
+        "hooks": seen, "loss": round(loss.item(), 5), "modes": modes,
+        "to_same_device": engine.to(engine.device) is engine, "custom_attr": engine.custom_attr,
+        "getters": (engine.zero_optimization_partition_gradients(), engine.zero_optimization_partition_weights(),
+                    engine.wall_clock_breakdown(), engine.optimizer_name(),
+                    engine.steps_per_print(), engine.dataloader_drop_last()),
+    }
+    if stage < 3:  # whole parameters: the values and a load_state_dict round trip
+        facts["state_dict_shapes"] = [tuple(v.shape) for v in sd.values()]
+        changed = {k: v + 0.25 if k.endswith("fc.weight") else v for k, v in sd.items()}
+        result = engine.load_state_dict(changed)
+        facts["load_result"] = (list(result.missing_keys), list(result.unexpected_keys))
+        facts["after_load"] = round(engine(*batch(0, rank)).item(), 5)
+    return facts
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_is_an_nn_module_like_deepspeeds(stage):
+    ours = run_ranks(_module_surface, 1, which="zeroshard", stage=stage, init_process_group=False)[0]
+    theirs = run_ranks(_module_surface, 1, which="deepspeed", stage=stage, init_process_group=False,
+                       env={"DS_ACCELERATOR": "cpu"}, fresh=True)[0]
+    assert ours == theirs
+    assert ours["is_module"] and ours["named_parameters"][0].startswith("module.")
+    assert ours["hooks"][:3] == [("pre", "DeepSpeedEngine", 2), ("post", "DeepSpeedEngine", ours["loss"]),
+                             ("pre", "DeepSpeedEngine", 2)]
+
+
+def _refusals(rank, world_size, stage):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.errors import ZeroshardError
+
+    engine, *_ = deepspeed.initialize(model=make_model(0), config={**CONFIG, "zero_optimization": {"stage": stage}})
+    messages = []
+    for attempt in (lambda: engine.to("meta"), lambda: engine.half(), lambda: engine.offload_states(),
+                    lambda: engine.zero_reduce_bucket_size(),
+                    lambda: engine.backward(torch.ones(()), retain_graph=True),
+                    lambda: engine.set_gradient_accumulation_boundary(True), lambda: engine.compile()):
+        try:
+            attempt()
+            messages.append(None)
+        except ZeroshardError as exc:
+            messages.append(str(exc))
+    engine.set_gradient_accumulation_boundary(False)  # agrees with the engine's count: accepted
+    sd = engine.state_dict()
+    empties = [k for k, v in sd.items() if v.numel() == 0]
+    full = engine._zero3_consolidated_16bit_state_dict()  # Accelerate's way to the full weights
+    expected = make_model(0).state_dict()
+    same = list(full) == list(expected) and all(torch.equal(full[k], v) for k, v in expected.items())
+    # load_state_dict writes the fp32 masters too (at any stage), not only the module's tensors
+    engine.load_state_dict({f"module.{k}": v + 1 for k, v in expected.items()})
+    after = engine._zero3_consolidated_16bit_state_dict()
+    same = same and all(torch.equal(after[k], v + 1) for k, v in expected.items())
+    return messages, hasattr(engine, "offload_states"), empties, engine.zero_optimization_partition_weights(), same
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_what_the_facade_refuses_is_one_line_naming_the_feature(stage):
+    messages, has_offload, empties, partitioned, consolidated = run_ranks(_refusals, 1, stage=stage,
+                                                                          init_process_group=False)[0]
+    assert consolidated
+    names = ["to(meta)", "half()", "offload_states", "zero_reduce_bucket_size", "backward(retain_graph=True",
+             "set_gradient_accumulation_boundary", "compile"]
+    for message, name in zip(messages, names):
+        assert message and f"DeepSpeedEngine.{name}" in message and "\n" not in message, (name, message)
+    assert not has_offload  # refused attributes are AttributeErrors: feature detection says no
+    # stage 3: partitioned parameters show as empty tensors, as DeepSpeed's (which keeps only small ones whole)
+    assert bool(empties) == (stage == 3) == partitioned

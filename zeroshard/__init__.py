@@ -18,6 +18,7 @@ from zeroshard.errors import (
     PeerLostError,
     RanksBuiltDifferentModelsError,
     StorageError,
+    UnsupportedFeatureError,
     ZeroshardError,
 )
 
@@ -25,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
-           "ConfigError", "EngineUsageError", "RanksBuiltDifferentModelsError", "__version__"]
+           "ConfigError", "EngineUsageError", "RanksBuiltDifferentModelsError", "UnsupportedFeatureError",
+           "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",

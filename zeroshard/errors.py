@@ -13,6 +13,7 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- ConfigError (also ValueError)  an invalid engine config
     +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
         +-- RanksBuiltDifferentModelsError  initialize() found ranks that built different models
+    +-- UnsupportedFeatureError (also NotImplementedError)  a DeepSpeed feature zeroshard.deepspeed refuses
 """
 
 from __future__ import annotations
@@ -110,3 +111,7 @@ class EngineUsageError(ZeroshardError, RuntimeError):
 class RanksBuiltDifferentModelsError(EngineUsageError):
     """Raised on every rank by initialize() when ranks built different models (names, shapes, dtypes,
     zero_init() or eager), before any collective whose sizes depend on the model."""
+
+
+class UnsupportedFeatureError(ZeroshardError, NotImplementedError):
+    """A DeepSpeed feature zeroshard.deepspeed does not provide (the message names it and says why)."""

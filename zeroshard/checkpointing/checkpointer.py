@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Mapping
@@ -61,6 +62,7 @@ class Checkpointer:
         checkpoint's URL. async_save: snapshot now, write on a background thread (the next
         save, load, wait() or exit joins it and raises its error). `stateful`: more objects,
         for this call only. Raises CheckpointSaveError on every rank if any rank failed."""
+        path = os.fspath(path)  # any os.PathLike
         self.wait()
         engine = self.engine
         objects = {**self.stateful, **name_stateful((), stateful or {})}
@@ -106,6 +108,7 @@ class Checkpointer:
         the engine and the Stateful objects; returns its client_state. strict=False skips
         parameters missing on either side. Per-rank states (RNG) come back only at the same
         world size. Raises on every rank if any rank failed, before anything is restored."""
+        path = os.fspath(path)  # any os.PathLike
         self.wait()
         objects = {**self.stateful, **name_stateful((), stateful or {})}
         return load_checkpoint(self.engine, self.group, path, strict=strict,
@@ -114,6 +117,7 @@ class Checkpointer:
 
     def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
         """Load model weights from a full model: one .safetensors file or an HF-style folder."""
+        path = os.fspath(path)  # any os.PathLike
         self.wait()
         load_pretrained(self.engine, self.group, path, strict=strict, storage_options=storage_options)
 

@@ -14,6 +14,7 @@ from zeroshard.deepspeed.launch import init_distributed
 from zeroshard.deepspeed.lr_schedules import build_scheduler
 from zeroshard.deepspeed.optimizers import build_optimizer
 from zeroshard.deepspeed.zero import register_engine
+from zeroshard.errors import UnsupportedFeatureError
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
@@ -41,7 +42,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("model/sequence parallelism (mpu, mesh_param) is not supported: data parallel only")
+        raise UnsupportedFeatureError("deepspeed.initialize(mpu=..., mesh_param=...) (DeepSpeed feature: model/"
+                                          "sequence parallelism) is not supported by zeroshard.deepspeed: data "
+                                          "parallel only")
     init_distributed(distributed_port=distributed_port)
     split = split_config(_config_from(args, config, config_params), dist.get_world_size())
 

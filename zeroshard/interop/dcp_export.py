@@ -15,6 +15,7 @@ the new one is complete.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -38,6 +39,7 @@ def _scalar(entry: dict[str, Any]) -> Any:
 
 def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[str, Any]:
     """{"model": ..., "optim": ...} of the zeroshard checkpoint at `ckpt`, full CPU tensors."""
+    ckpt = os.fspath(ckpt)  # any os.PathLike
     location, manifest = open_checkpoint(ckpt, storage_options)
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -79,6 +81,7 @@ def _is_dcp_file(name: str) -> bool:
 @output_transaction
 def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None) -> int:
     """Write `ckpt` as a DCP checkpoint folder `out`; returns the number of tensors written."""
+    ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -209,6 +209,7 @@ def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat
 def read_dcp(src: str, buffers: str | None = None) -> Imported:
     """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder). `buffers`: a
     regex; model tensors whose name matches it in full are buffers, not parameters."""
+    src = os.fspath(src)  # any os.PathLike
     import torch
 
     folder = src.rstrip("/") or "/"

@@ -58,6 +58,7 @@ class _Restricted(pickle.Unpickler):
 def load_metadata(path: str) -> Any:
     """The Metadata object of a DCP checkpoint's `.metadata` file, checked (check_metadata)
     against the files it points into before anything is allocated from it."""
+    path = os.fspath(path)  # any os.PathLike
     fd, size = open_inside(path, os.path.dirname(path) or ".")
     with os.fdopen(fd, "rb") as f:
         if size > MAX_METADATA_BYTES:

@@ -74,6 +74,7 @@ def _check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[
 
 def resolve_tag_folder(src: str) -> str:
     """`src` itself if it holds DeepSpeed rank files, else the folder its `latest` names."""
+    src = os.fspath(src)  # any os.PathLike
     if not os.path.isdir(src):
         raise CheckpointError(src, "no such DeepSpeed checkpoint folder")
     if any(_OPTIM.match(name) for name in os.listdir(src)):  # listdir, not glob: `lr[3e-4]` is a plain name
@@ -109,6 +110,7 @@ def _optim_files(folder: str) -> list[str]:
 
 def read_deepspeed(src: str) -> Imported:
     """Read the DeepSpeed checkpoint at `src` (a root with `latest`, or a tag folder)."""
+    src = os.fspath(src)  # any os.PathLike
     folder = resolve_tag_folder(src)
     try:
         return _read(folder)

@@ -9,6 +9,7 @@ and loss scaler, "stateful": {"lr_scheduler"}}. No RNG states: the source's are 
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -36,6 +37,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     Through the toolkit's output discipline (format.output, docs/SAFETY.md): `out` may not be,
     contain or lie inside `source` (the folder read), it is claimed, and the new files are staged
     and moved in only once complete, so a failure leaves the old output (if any) whole."""
+    out, source = os.fspath(out), None if source is None else os.fspath(source)  # any os.PathLike
     import torch
 
     check_world_size(world_size)

@@ -110,7 +110,8 @@ class Location:
     short command's start-up); `fs` is made for it only when something asks for it.
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
+    def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None):
+        url = os.fspath(url)  # pathlib.Path and any os.PathLike, like every path the package takes
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
         self.remote_io, fs_options = split_options(self.storage_options)

@@ -3,6 +3,7 @@ and staging folders, claims, and pending S3 multipart uploads (see storage.lefto
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class CleanReport:
 def clean(path: str, *, older_than_s: float = 3600.0, dry_run: bool = True,
           storage_options: dict | None = None) -> CleanReport:
     """Find leftovers under `path`; remove the stale ones unless `dry_run`."""
+    path = os.fspath(path)  # any os.PathLike
     report = CleanReport()
     for leftover in find_leftovers(Location(path, storage_options)):
         if leftover.stale(older_than_s):

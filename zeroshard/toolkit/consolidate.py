@@ -10,6 +10,7 @@ back. Without a dtype cast the output bytes are the stored bytes: bit-exact.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
                 workers: int | None = 1) -> list[str]:
     """Write the model's weights at `out`; returns the URLs of the files written (`workers=None`: auto_workers)."""
+    ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)

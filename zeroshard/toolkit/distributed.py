@@ -42,6 +42,7 @@ from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool = False,
                         storage_options: dict | None = None, workers: int = 1) -> str:
     """Collective over the default process group: every process calls it; returns OUT's URL."""
+    ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     import torch.distributed as dist
 
     rank, procs = dist.get_rank(), dist.get_world_size()
@@ -101,6 +102,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
                             overwrite: bool = False, storage_options: dict | None = None,
                             workers: int = 1) -> list[str]:
     """Collective: every process calls it; rank 0 plans and creates the outputs, all fill them."""
+    ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     import torch.distributed as dist
 
     from zeroshard.toolkit import consolidate as single

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -10,6 +11,7 @@ from zeroshard.format import open_checkpoint
 
 def inspect_checkpoint(ckpt: str, *, storage_options: dict | None = None) -> dict[str, Any]:
     """A JSON-able summary: world size, stage, step, parameter count, bytes per rank, dtypes, optimizer."""
+    ckpt = os.fspath(ckpt)  # any os.PathLike
     location, m = open_checkpoint(ckpt, storage_options)
     params = [t for t in m.tensors.values() if t.role == "param"]
     bytes_by_role: dict[str, int] = defaultdict(int)

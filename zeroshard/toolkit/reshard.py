@@ -12,6 +12,7 @@ meaning at a new world size and are dropped (listed in the result).
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ def default_output(ckpt_url: str, world_size: int) -> str:
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
             storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> ReshardResult:
     """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out` (`workers=None`: auto_workers)."""
+    ckpt, out = os.fspath(ckpt), None if out is None else os.fspath(out)  # any os.PathLike
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
     if workers is not None and workers < 1:

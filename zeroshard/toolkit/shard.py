@@ -5,6 +5,7 @@ Each rank file is streamed from ranged reads of the source: memory stays at one 
 
 from __future__ import annotations
 
+import os
 import uuid
 from contextlib import ExitStack
 
@@ -22,6 +23,7 @@ from zeroshard.toolkit.progress import byte_bar
 def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
           quiet: bool = True) -> Manifest:
     """Write the model at `src` as a `world_size`-rank checkpoint at `out`; returns its manifest."""
+    src, out = os.fspath(src), os.fspath(out)  # any os.PathLike
     if world_size < 1:
         raise ZeroshardError(f"--world must be at least 1, got {world_size}")
     folder, tensors = open_full_model(src, storage_options)

@@ -19,6 +19,7 @@ off, the file is checked again the slow way, which names the tensor or header fi
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
@@ -65,6 +66,7 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     file's SHA-256 (for signing); deep: also check every fragment against its file's hash table
     (see the module's docstring). Every file is still read once, by one of `workers` threads or processes
     (None: zeroshard.toolkit.workers.auto_workers)."""
+    ckpt = os.fspath(ckpt)  # any os.PathLike
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     location = resolve_checkpoint(Location(ckpt, storage_options))

@@ -1,0 +1,48 @@
+"""Run a DeepSpeed training script unchanged, on zeroshard.deepspeed or on real DeepSpeed,
+one or more times in one process (each time as if relaunched: its `__main__` runs afresh).
+
+    torchrun --nproc-per-node 2 samples/run_script.py --library zeroshard SCRIPT ARGS [--- ARGS ...]
+
+--library zeroshard points `import deepspeed` (and deepspeed.accelerator, .comm, .zero, ...) at
+zeroshard.deepspeed; --library deepspeed imports the real one. `---` separates the argument
+lists of successive runs (e.g. a run that saves, then one that resumes): one launch instead of
+several, which matters on a small CPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import runpy
+import sys
+
+
+def alias_deepspeed() -> None:
+    """Make `import deepspeed[.x]` give zeroshard.deepspeed[.x] (only the import changes)."""
+    import zeroshard.deepspeed as facade
+
+    sys.modules["deepspeed"] = facade
+    for info in pkgutil.walk_packages(facade.__path__, "zeroshard.deepspeed."):
+        module = importlib.import_module(info.name)
+        sys.modules["deepspeed." + info.name[len("zeroshard.deepspeed."):]] = module
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] != "--library" or argv[1] not in ("zeroshard", "deepspeed"):
+        raise SystemExit("usage: run_script.py --library zeroshard|deepspeed SCRIPT ARGS [--- ARGS ...]")
+    if argv[1] == "zeroshard":
+        alias_deepspeed()
+    script, rest = argv[2], argv[3:]
+    runs: list[list[str]] = [[]]
+    for arg in rest:
+        if arg == "---":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for args in runs:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
