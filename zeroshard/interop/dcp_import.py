@@ -17,17 +17,16 @@ model tensors are tied copies (equal to a parameter, not constant) or buffers. W
 
 from __future__ import annotations
 
-import io
 import os
 import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.training_state import scalar_json, to_json_value
+from zeroshard.interop import dcp_chunks
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
-from zeroshard.interop.imported import Imported, optimizer_class_of
-from zeroshard.interop.torch_pickle import STAND_INS, open_inside
+from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
 
 
 def _path_of(metadata: Any, key: str) -> tuple:
@@ -37,57 +36,6 @@ def _path_of(metadata: Any, key: str) -> tuple:
         return tuple(path)
     head, _, rest = key.partition(".")
     return (head, rest)  # no planner data: model.<fqn> only
-
-
-def _read_blob(folder: str, info: Any, what: str) -> Any:
-    import torch
-
-    if getattr(info, "transform_descriptors", None):
-        raise CheckpointError(os.path.join(folder, info.relative_path),
-                              f"{what}: transformed (e.g. compressed) DCP data is not supported")
-    path = os.path.join(folder, info.relative_path)
-    if os.path.basename(info.relative_path) != info.relative_path:
-        raise CheckpointError(path, "storage path leaves the checkpoint folder")
-    fd, size = open_inside(path, folder)  # a FIFO or device refused, not waited on; links kept inside
-    try:
-        raw = os.pread(fd, min(info.length, max(size - info.offset, 0)), info.offset)
-    except OSError as exc:
-        raise CheckpointError(path, exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(raw) != info.length:
-        raise CheckpointError(path, f"{what}: file ends before byte {info.offset + info.length}")
-    try:
-        with torch.serialization.safe_globals(STAND_INS):
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(path, f"{what} (bytes {info.offset}+{info.length}): "
-                                    f"refused or unreadable: {first}") from None
-
-
-def _assemble(folder: str, metadata: Any, key: str, entry: Any, chunks: dict) -> Any:
-    """A full tensor from its chunks (each a torch.save'd local shard). load_metadata has checked
-    that the chunks tile the tensor exactly once and that their storage holds their elements."""
-    import torch
-
-    dtype = entry.properties.dtype
-    full = torch.zeros(tuple(entry.size), dtype=dtype)
-    covered = 0
-    for chunk in entry.chunks:
-        info = chunks.get((key, tuple(chunk.offsets)))
-        if info is None:
-            raise CheckpointError(folder, f"{key}: no storage for the chunk at offset {list(chunk.offsets)}")
-        part = _read_blob(folder, info, key)
-        if not torch.is_tensor(part) or tuple(part.shape) != tuple(chunk.sizes):
-            raise CheckpointError(folder, f"{key}: the chunk at {list(chunk.offsets)} is not a tensor of "
-                                          f"shape {list(chunk.sizes)}")
-        index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-        full[index] = part.to(dtype)
-        covered += part.numel()
-    if covered != full.numel():
-        raise CheckpointError(folder, f"{key}: chunks cover {covered} of {full.numel()} elements")
-    return full
 
 
 ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
@@ -107,11 +55,11 @@ class _Source:
     def read(self, key: str) -> Any:
         entry = self.metadata.state_dict_metadata[key]
         if type(entry).__name__ == "TensorStorageMetadata":
-            return _assemble(self.folder, self.metadata, key, entry, self.chunks)
+            return dcp_chunks.tensor(self.folder, key, entry, self.chunks)
         info = self.chunks.get((key, None)) or next((i for (k, _), i in self.chunks.items() if k == key), None)
         if info is None:
             raise CheckpointError(self.folder, f"{key}: no storage entry")
-        return _read_blob(self.folder, info, key)
+        return dcp_chunks.read_blob(self.folder, info, key)
 
 
 def _has_metadata(folder: str) -> bool:
@@ -159,15 +107,34 @@ def _constant(t: Any) -> bool:
     return t.numel() <= 1 or bool((t == t.reshape(-1)[0]).all())
 
 
-def _tie_of(name: str, value: Any, params: dict[str, Any]) -> str | None:
+PREFIX_ELEMENTS = 4096  # compared first: distinct weights differ there, so few tensors are read whole
+
+
+def _tie_of(name: str, value: Any, params: dict[str, Any], prefixes: dict[str, Any]) -> str | None:
     """The parameter `value` is a tied copy of: equal elements, same shape and dtype, and not a
-    constant (fresh norms and biases are equal without being the same parameter)."""
+    constant (fresh norms and biases are equal without being the same parameter). Tensors may be
+    lazy: their first elements are compared first (`prefixes` caches them by name)."""
     import torch
 
-    if not value.is_floating_point() or _constant(value):
+    if not value.is_floating_point():
         return None
-    return next((p for p, t in params.items() if p != name and t.shape == value.shape and t.dtype == value.dtype
-                 and torch.equal(t, value)), None)
+    candidates = [p for p, t in params.items() if p != name and t.shape == value.shape and t.dtype == value.dtype]
+    if not candidates:
+        return None
+
+    def head(key: str, t: Any) -> Any:
+        if key not in prefixes:
+            prefixes[key] = flat_range(t, 0, min(PREFIX_ELEMENTS, t.numel())).clone()
+        return prefixes[key]
+
+    mine = head("\0" + name, value)
+    candidates = [p for p in candidates if torch.equal(head(p, params[p]), mine)]
+    if not candidates:
+        return None
+    full = materialize(value)
+    if _constant(full):
+        return None
+    return next((p for p in candidates if torch.equal(materialize(params[p]), full)), None)
 
 
 def _flat_groups(folder: str, options: dict[str, dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
@@ -264,13 +231,15 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
     else:
         names = [n for n in model if model[n].is_floating_point() and n not in forced]
 
+    prefixes: dict[str, Any] = {}
     imp = Imported(source=f"dcp:{os.path.abspath(folder)}", params={}, zero_stage=3,
                    world_size=max(len(s.files) for s in sources) or 1)
     for name in names:
-        if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params) is not None:
+        if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params, prefixes) is not None:
             continue  # a tied copy of a parameter already taken: an alias, below
         imp.params[name] = model[name].float()
-        per_elem = {k: v for k, v in state.get(name, {}).items() if torch.is_tensor(v) and v.dim() >= 1}
+        per_elem = {k: v for k, v in state.get(name, {}).items()
+                    if (torch.is_tensor(v) or isinstance(v, LazyTensor)) and v.dim() >= 1}
         wrong = [k for k, v in per_elem.items() if v.numel() != model[name].numel()]
         if wrong:
             raise CheckpointError(folder, f"{name}: optimizer state {', '.join(wrong)} does not have the "
@@ -284,7 +253,7 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
         if name in imp.params:
             continue
         twin = None if name in forced else _tie_of(name, value.float() if value.is_floating_point() else value,
-                                                   imp.params)
+                                                   imp.params, prefixes)
         if twin is not None and name not in state:
             imp.aliases[name] = twin  # a tied weight: saved twice by the state dict, one parameter
         else:

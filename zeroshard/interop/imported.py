@@ -1,14 +1,66 @@
-"""A foreign checkpoint in memory, in zeroshard's terms, ready for write.py.
+"""A foreign checkpoint, in zeroshard's terms, ready for write.py.
 
-Tensors are full (unsharded) CPU tensors; whoever fills this cut them out of the source's
-own partitions. Scalars (Adam's `step`) are JSON entries like the engine's own
-({"dtype": "F32", "value": 3.0}).
+Tensors are full (unsharded) CPU tensors, or LazyTensors that read flat element ranges from the
+source on demand (so an import holds a window, not the model); whoever fills this cuts them
+out of the source's own partitions. Scalars (Adam's `step`) are JSON entries like the engine's
+own ({"dtype": "F32", "value": 3.0}).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+
+class LazyTensor:
+    """A tensor of `shape` and `dtype` whose flat elements [start, end) come from
+    `read(start, end)` when asked (in the source's dtype; `.float()` casts each range)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Callable[[int, int], Any],
+                 cast: Any = None) -> None:
+        self.shape, self._source_dtype, self._read, self._cast = tuple(shape), dtype, read, cast
+
+    @property
+    def dtype(self) -> Any:
+        return self._cast or self._source_dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self._source_dtype.is_floating_point
+
+    def float(self) -> "LazyTensor":
+        import torch
+
+        return self if self.dtype == torch.float32 else LazyTensor(self.shape, self._source_dtype, self._read,
+                                                                   torch.float32)
+
+    def reshape(self, *shape: Any) -> "LazyTensor":
+        """Only the flat view (what write.py asks for): ranges are flat already."""
+        if tuple(shape) not in ((-1,), ((-1,),), (self.numel(),)):
+            raise NotImplementedError("a LazyTensor reshapes only to flat")
+        return self
+
+    def read(self, start: int, end: int) -> Any:
+        part = self._read(start, end)
+        return part if self._cast is None else part.to(self._cast)
+
+    def materialize(self) -> Any:
+        return self.read(0, self.numel()).reshape(self.shape)
+
+
+def flat_range(value: Any, start: int, end: int) -> Any:
+    """Flat elements [start, end) of a tensor or LazyTensor."""
+    return value.read(start, end) if isinstance(value, LazyTensor) else value.reshape(-1)[start:end]
+
+
+def materialize(value: Any) -> Any:
+    return value.materialize() if isinstance(value, LazyTensor) else value
 
 
 @dataclass

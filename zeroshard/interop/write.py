@@ -18,7 +18,7 @@ from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_ra
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.format.training_state import optimizer_key
-from zeroshard.interop.imported import Imported
+from zeroshard.interop.imported import Imported, flat_range
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import dtype_name
 
@@ -58,7 +58,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         data[name] = tensor.reshape(-1)
 
     def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-        part = data[spec.name][start:end].contiguous()
+        part = flat_range(data[spec.name], start, end).contiguous()
         write(memoryview(part.view(torch.uint8).numpy()))
 
     target = Location(out, storage_options)

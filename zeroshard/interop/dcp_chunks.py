@@ -1,0 +1,101 @@
+"""The bytes of a DCP checkpoint: torch.save'd blobs at byte ranges of its files, and tensors
+read from their chunks by flat element range.
+
+With torch's default writer each chunk of a tensor is a small torch.save blob, read here with
+weights_only=True from exactly its byte range. A tensor is read lazily (LazyTensor): a flat
+range [start, end) needs the rows along dimension 0 that hold it, which come from the chunks
+overlapping those rows (FSDP2 shards dimension 0, so that is one or two chunks), so memory
+holds the range plus one chunk, never the model. load_metadata (dcp_metadata.py) has checked
+that the chunks tile each tensor exactly once and that their storage lies inside the files.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+from zeroshard.errors import CheckpointError
+from zeroshard.interop.imported import LazyTensor
+from zeroshard.interop.torch_pickle import STAND_INS, open_inside
+
+LAZY_BYTES = 1 << 20  # tensors this big (with a dimension) are read on demand; smaller ones at once
+
+
+def read_blob(folder: str, info: Any, what: str) -> Any:
+    """The object torch.save'd at `info`'s byte range (a tensor chunk or a plain value)."""
+    import torch
+
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointError(os.path.join(folder, info.relative_path),
+                              f"{what}: transformed (e.g. compressed) DCP data is not supported")
+    path = os.path.join(folder, info.relative_path)
+    if os.path.basename(info.relative_path) != info.relative_path:
+        raise CheckpointError(path, "storage path leaves the checkpoint folder")
+    fd, size = open_inside(path, folder)  # a FIFO or device refused, not waited on; links kept inside
+    try:
+        raw = os.pread(fd, min(info.length, max(size - info.offset, 0)), info.offset)
+    except OSError as exc:
+        raise CheckpointError(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if len(raw) != info.length:
+        raise CheckpointError(path, f"{what}: file ends before byte {info.offset + info.length}")
+    try:
+        with torch.serialization.safe_globals(STAND_INS):
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(path, f"{what} (bytes {info.offset}+{info.length}): "
+                                    f"refused or unreadable: {first}") from None
+
+
+def _chunk(folder: str, key: str, chunk: Any, chunks: dict) -> Any:
+    import torch
+
+    info = chunks.get((key, tuple(chunk.offsets)))
+    if info is None:
+        raise CheckpointError(folder, f"{key}: no storage for the chunk at offset {list(chunk.offsets)}")
+    part = read_blob(folder, info, key)
+    if not torch.is_tensor(part) or tuple(part.shape) != tuple(chunk.sizes):
+        raise CheckpointError(folder, f"{key}: the chunk at {list(chunk.offsets)} is not a tensor of "
+                                      f"shape {list(chunk.sizes)}")
+    return part
+
+
+def read_rows(folder: str, key: str, entry: Any, chunks: dict, start: int, end: int) -> Any:
+    """Flat elements [start, end) of tensor `key`, from the chunks overlapping their rows."""
+    import torch
+
+    size, dtype = tuple(entry.size), entry.properties.dtype
+    row = math.prod(size[1:]) if size else 1
+    if not size or row == 0 or start >= end:
+        whole = torch.zeros(size, dtype=dtype)
+        for chunk in entry.chunks:
+            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            whole[index] = _chunk(folder, key, chunk, chunks).to(dtype)
+        return whole.reshape(-1)[start:end]
+    r0, r1 = start // row, -(-end // row)
+    rows = torch.empty((r1 - r0, *size[1:]), dtype=dtype)
+    for chunk in entry.chunks:
+        c0, cn = chunk.offsets[0], chunk.sizes[0]
+        lo, hi = max(r0, c0), min(r1, c0 + cn)
+        if lo >= hi:
+            continue
+        part = _chunk(folder, key, chunk, chunks)[lo - c0: hi - c0]
+        index = (slice(lo - r0, hi - r0), *(slice(o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:])))
+        rows[index] = part.to(dtype)
+        del part
+    return rows.reshape(-1)[start - r0 * row: end - r0 * row]
+
+
+def tensor(folder: str, key: str, entry: Any, chunks: dict) -> Any:
+    """Tensor `key`: read now when small or 0-d, else a LazyTensor reading by range."""
+    import torch
+
+    size, dtype = tuple(entry.size), entry.properties.dtype
+    numel = math.prod(size)
+    if not size or numel * torch.empty((), dtype=dtype).element_size() < LAZY_BYTES:
+        return read_rows(folder, key, entry, chunks, 0, numel).reshape(size)
+    return LazyTensor(size, dtype, lambda start, end: read_rows(folder, key, entry, chunks, start, end))
