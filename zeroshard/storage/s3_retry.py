@@ -6,7 +6,9 @@ command took about four minutes to fail. Here botocore and s3fs each make one at
 BoundedS3FileSystem retries every request itself (backoff 0.1 s doubling to 2 s) until it
 succeeds, fails in a way a retry cannot fix (a 4xx), or has kept failing for `retry_s` seconds:
 then it gives up with RetryBudgetSpent. Once it has been failing, an attempt is also cut off
-when the budget runs out, so a hung connection cannot stretch it.
+when the budget runs out, so a hung connection cannot stretch it; before that, a hung request is
+ended by botocore's timeouts (connect, read: no longer than the budget) or, while it sends a
+body, after `retry_s` plus the body's size at SLOWEST_UPLOAD_BPS.
 
 After a request gave up, S3 is presumed unreachable: later requests (the clean-up of a failed
 write: aborting its upload, releasing its claim) get a single attempt each, so a failing command
@@ -26,6 +28,7 @@ from s3fs import S3FileSystem
 T = TypeVar("T")
 CONNECT_TIMEOUT_S = 5.0  # s3fs's defaults, lowered to the budget when it is smaller
 READ_TIMEOUT_S = 15.0
+SLOWEST_UPLOAD_BPS = 1024 * 1024  # a request body sent slower than this (after retry_s of grace) has stalled
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
                 "InternalError", "ServiceUnavailable", "XAmzContentSHA256Mismatch"}
 
@@ -100,15 +103,20 @@ class BoundedS3FileSystem(S3FileSystem):
         self.unreachable = False  # a request gave up, and none has succeeded since
 
     async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
+        body = kwargs.get("Body")
+        # sending has no timeout of its own (botocore's read timeout starts once the body is sent):
+        # an upload stalled mid-body counts as failed once it is slower than SLOWEST_UPLOAD_BPS
+        cap = self.retry_s + len(body) / SLOWEST_UPLOAD_BPS if isinstance(body, (bytes, bytearray)) else None
         return await self.within_budget(lambda: super(BoundedS3FileSystem, self)._call_s3(method, *akwarglist,
-                                                                                           **kwargs))
+                                                                                           **kwargs), cap)
 
     async def _cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
         # the body is read after _call_s3 returned: a connection dropped mid-body is retried here
         return await self.within_budget(lambda: super(BoundedS3FileSystem, self)._cat_file(path, *args, **kwargs))
 
-    async def within_budget(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run `attempt()` until it succeeds, fails for good, or the budget is spent."""
+    async def within_budget(self, attempt: Callable[[], Awaitable[T]], cap: float | None = None) -> T:
+        """Run `attempt()` until it succeeds, fails for good, or the budget is spent. `cap`: the
+        longest the first attempt may take (the later ones are cut off by the budget)."""
         loop = asyncio.get_running_loop()
         first_failure: float | None = None
         cause: Exception | None = None
@@ -117,7 +125,7 @@ class BoundedS3FileSystem(S3FileSystem):
             left = None if first_failure is None else first_failure + self.retry_s - loop.time()
             try:
                 if left is None:
-                    result = await attempt()
+                    result = await (attempt() if cap is None else asyncio.wait_for(attempt(), cap))
                 else:  # failing already: this attempt may not outlast the budget
                     result = await asyncio.wait_for(attempt(), max(left, 0.001))
             except Exception as exc:  # noqa: BLE001 - sorted below: retried, or raised as it is
