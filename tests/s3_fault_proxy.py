@@ -4,7 +4,9 @@ Every request is forwarded unchanged unless `rule(method, path, query)` returns 
   ("status", 500)       answer with that status and an S3-style error body, forwarding nothing;
   ("drop", n)           read n bytes of the request body, then close the connection unanswered,
                         as a dropped network connection does mid-upload;
-  ("hang", 0)           read the whole request, then never answer (until the client gives up).
+  ("hang", 0)           read the whole request, then never answer (until the client gives up);
+  ("lose_answer", 0)    forward the request, then close the connection without passing on the
+                        answer: the request took effect, the client cannot know.
 `requests` records (method, path, query, fault) of everything seen; `faulted_at` the
 time.monotonic() of each fault.
 """
@@ -83,6 +85,11 @@ class FaultProxy:
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
+                if fault and fault[0] == "lose_answer":
+                    upstream.close()
+                    self.close_connection = True
+                    self.connection.close()
+                    return
                 self.send_response(response.status, response.reason)
                 for key, value in response.getheaders():
                     if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):

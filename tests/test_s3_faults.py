@@ -258,3 +258,22 @@ def test_a_bad_retry_budget_is_one_line_naming_the_option(tmp_path, value):
     result = CliRunner().invoke(main, ["reshard", "-q", str(ckpt), "--to", "3", "-o", str(tmp_path / "o"),
                                        "-S", f"zeroshard_retry_s={value}"])
     one_line_failure(result, "zeroshard_retry_s")
+
+
+def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_client):
+    """The claim's conditional PUT lands but its answer is lost: the retry is refused (the claim
+    exists), and the claim found there is recognised as this run's own, not another writer's."""
+    ckpt, out, bucket, before = old_output
+    lost = []
+
+    def rule(method, path, query):
+        if method == "PUT" and path.endswith("/out/.zeroshard-claim") and not lost:
+            lost.append(path)
+            return ("lose_answer", 0)
+        return None
+
+    proxy.rule = rule
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, 5.0)))
+    assert result.exit_code == 0, result.output
+    assert lost and sum(1 for r in proxy.requests if r[0] == "PUT" and r[1] in lost) >= 2  # it was retried
+    assert "out/.zeroshard-claim" not in objects(s3_client, bucket, "out/")

@@ -5,7 +5,7 @@ with timeouts of 5 s (connect) and 15 s (read) per attempt: with the network gon
 command took about four minutes to fail. Here botocore and s3fs each make one attempt, and
 BoundedS3FileSystem retries every request itself (backoff 0.1 s doubling to 2 s) until it
 succeeds, fails in a way a retry cannot fix (a 4xx), or has kept failing for `retry_s` seconds:
-then it gives up with RetryBudgetSpent. Once it has been failing, an attempt is also cut off
+then it gives up with _BudgetSpent. Once it has been failing, an attempt is also cut off
 when the budget runs out, so a hung connection cannot stretch it; before that, a hung request is
 ended by botocore's timeouts (connect, read: no longer than the budget) or, while it sends a
 body, after `retry_s` plus the body's size at SLOWEST_UPLOAD_BPS.
@@ -33,7 +33,7 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitEx
                 "InternalError", "ServiceUnavailable", "XAmzContentSHA256Mismatch"}
 
 
-class RetryBudgetSpent(OSError):
+class _BudgetSpent(OSError):
     """A request kept failing for the whole retry budget (an OSError: storage_errors turns it
     into a StorageError naming the URL)."""
 
@@ -56,7 +56,7 @@ def _short(exc: BaseException) -> str:
 
 def retryable(exc: BaseException) -> bool:
     """Whether a retry may help: connection trouble, timeouts, 5xx and throttling answers."""
-    if isinstance(exc, RetryBudgetSpent):
+    if isinstance(exc, _BudgetSpent):
         return False
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return True
@@ -137,11 +137,11 @@ class BoundedS3FileSystem(S3FileSystem):
                 if first_failure is None:
                     first_failure = now
                     if self.unreachable:  # an earlier request spent the budget: clean-up gets one try
-                        raise RetryBudgetSpent(0.0, self.retry_s, cause, at_once=True) from exc
+                        raise _BudgetSpent(0.0, self.retry_s, cause, at_once=True) from exc
                 left = first_failure + self.retry_s - now
                 if left <= 0:
                     self.unreachable = True
-                    raise RetryBudgetSpent(now - first_failure, self.retry_s, cause) from exc
+                    raise _BudgetSpent(now - first_failure, self.retry_s, cause) from exc
                 # jitter: the parts of an upload do not all retry in step
                 await asyncio.sleep(min(delay * (0.5 + random.random()), left))
                 delay = min(delay * 2, 2.0)
