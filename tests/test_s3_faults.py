@@ -250,14 +250,22 @@ def test_a_fault_that_passes_within_the_budget_is_retried_and_the_output_commits
     assert CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"]).exit_code == 0
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan"])
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "1e9"])
 def test_a_bad_retry_budget_is_one_line_naming_the_option(tmp_path, value):
     ckpt = tmp_path / "ckpt"
     specs, data = training_state()
     write_checkpoint(str(ckpt), specs, data, 2)
     result = CliRunner().invoke(main, ["reshard", "-q", str(ckpt), "--to", "3", "-o", str(tmp_path / "o"),
                                        "-S", f"zeroshard_retry_s={value}"])
-    one_line_failure(result, "zeroshard_retry_s")
+    one_line_failure(result, "storage option zeroshard_retry_s=", "expected seconds")
+
+
+def test_retry_budget_values():
+    from zeroshard.storage.remote_io import RemoteIO, split_options
+
+    assert split_options({"zeroshard_retry_s": "2.5s"}) == (RemoteIO(retry_s=2.5), {})
+    assert split_options({"zeroshard_retry_s": 90, "anon": True}) == (RemoteIO(retry_s=90.0), {"anon": True})
+    assert split_options({})[0].retry_s == 60.0
 
 
 def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_client):
