@@ -9,7 +9,8 @@ renamed into place; on S3 a multipart upload is completed only on success and ab
 failure, so an object never appears half-written.
 
 Remote reads and S3 writes run several requests at once (read_ahead.py, multipart.py), sized by
-the `zeroshard_*` storage options (remote_io.py).
+the `zeroshard_*` storage options (remote_io.py); on s3:// a failing request is retried for at
+most `zeroshard_retry_s` seconds (s3_retry.py), so a lost network ends a command in bounded time.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ class RemoteIO:
     Memory: blocks fetched ahead of the reads asked for are at most `read_ahead` (64 MiB by
     default) across all the files read through one Location, and one read holds at most
     `read_ahead` blocks of its own; an upload holds its filling part plus `uploads_in_flight` parts.
+    Time: an S3 request that keeps failing is retried for `retry_s`, then the command gives up
+    (s3_retry.py).
     """
 
     block_bytes: int = 8 * MiB  # one ranged GET (AWS advises ranges of 8 or 16 MB)
