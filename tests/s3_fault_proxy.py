@@ -3,14 +3,19 @@
 Every request is forwarded unchanged unless `rule(method, path, query)` returns a fault:
   ("status", 500)       answer with that status and an S3-style error body, forwarding nothing;
   ("drop", n)           read n bytes of the request body, then close the connection unanswered,
-                        as a dropped network connection does mid-upload.
-`requests` records (method, path, query, fault) of everything seen.
+                        as a dropped network connection does mid-upload;
+  ("hang", 0)           read the whole request, then never answer (until the client gives up);
+  ("lose_answer", 0)    forward the request, then close the connection without passing on the
+                        answer: the request took effect, the client cannot know.
+`requests` records (method, path, query, fault) of everything seen; `faulted_at` the
+time.monotonic() of each fault.
 """
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
@@ -23,6 +28,7 @@ class FaultProxy:
         self.upstream = urlsplit(upstream)
         self.rule: Rule = lambda method, path, query: None
         self.requests: list[tuple[str, str, str, object]] = []
+        self.faulted_at: list[float] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +56,14 @@ class FaultProxy:
                 path, _, query = self.path.partition("?")
                 fault = proxy.rule(self.command, path, query)
                 proxy.requests.append((self.command, path, query, fault))
+                if fault:
+                    proxy.faulted_at.append(time.monotonic())
+                if fault and fault[0] == "hang":
+                    self._body()
+                    self.connection.settimeout(120)
+                    self.rfile.read(1)  # returns when the client closes the connection
+                    self.close_connection = True
+                    return
                 if fault and fault[0] == "drop":
                     self._body(limit=fault[1])
                     self.close_connection = True
@@ -71,6 +85,11 @@ class FaultProxy:
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
+                if fault and fault[0] == "lose_answer":
+                    upstream.close()
+                    self.close_connection = True
+                    self.connection.close()
+                    return
                 self.send_response(response.status, response.reason)
                 for key, value in response.getheaders():
                     if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
@@ -84,7 +103,11 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                pass  # a client that gave up on a request closed its connection: not news
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)

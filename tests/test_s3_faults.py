@@ -1,10 +1,17 @@
 """S3 faults, injected by a proxy in front of moto (s3_fault_proxy): a dropped upload, a failing
-read, a failing commit. In each: no half-written object becomes visible, the old output keeps
-every byte until the new one commits, and `zeroshard clean` removes what the fault left."""
+read, a failing commit, the network gone mid-upload, a server that never answers. In each: no
+half-written object becomes visible, the old output keeps every byte until the new one commits,
+the command fails within its retry budget (zeroshard_retry_s), and what the fault left is removed
+by the command itself or, if S3 could not be reached, by `zeroshard clean`."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
 
 import pytest
 from click.testing import CliRunner
@@ -17,19 +24,21 @@ from s3_fault_proxy import FaultProxy
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture
-def proxy(s3_endpoint, monkeypatch):
-    import s3fs
+BUDGET_S = 3.0  # zeroshard_retry_s in the tests that time the failure
+SLACK_S = 5.0  # clean-up after the budget is spent (abort, stage, claim), on a busy test machine
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # a fault is final: no waiting on retries
+
+@pytest.fixture
+def proxy(s3_endpoint):
     p = FaultProxy(s3_endpoint)
     yield p
     p.close()
 
 
-def via(proxy: FaultProxy) -> list[str]:
+def via(proxy: FaultProxy, retry_s: float = 1.0) -> list[str]:
+    """Options for a run through the proxy: faults are retried for `retry_s` seconds, then final."""
     return ["-S", f"endpoint_url={proxy.url}", "-S", "skip_instance_cache=true", "-S", "zeroshard_part_size=5MiB",
-            "-S", 'config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}}']
+            "-S", f"zeroshard_retry_s={retry_s:g}"]
 
 
 def objects(client, bucket: str, prefix: str) -> dict[str, str]:
@@ -149,3 +158,130 @@ def test_failing_commit_keeps_the_new_output_recoverable(proxy, old_output, s3_c
                           CopySource={"Bucket": bucket, "Key": f"out/{stage_dir}/zeroshard.json"})
     result = CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"])  # no cached listing
     assert result.exit_code == 0, result.output
+
+
+def reshard_over(ckpt, out: str, *options: str) -> list[str]:
+    return ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out, *options]
+
+
+def test_connections_dropping_mid_upload_fail_within_the_budget_and_leave_nothing(proxy, old_output, s3_client):
+    """Every part upload's connection dies: retried for the budget, then one line; the upload is
+    aborted and the claim released, so a plain re-run works."""
+    ckpt, out, bucket, before = old_output
+    proxy.rule = lambda m, p, q: ("drop", 100) if m == "PUT" and "partNumber=" in q else None
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, BUDGET_S)))
+    took = time.monotonic() - proxy.faulted_at[0]
+    one_line_failure(result, out, f"gave up after {BUDGET_S:.1f} s (zeroshard_retry_s={BUDGET_S:g})")
+    assert "pending" not in result.output, result.output  # the abort got through
+    assert BUDGET_S <= took < BUDGET_S + SLACK_S, took
+    tries = Counter(r[1] for r in proxy.requests if r[3] and "partNumber=1&" in r[2] + "&")
+    assert max(tries.values()) >= 3, tries  # a part was retried, not given up on at once
+    assert pending(s3_client, bucket) == []
+    assert objects(s3_client, bucket, "out/") == before  # no claim, no stage, the old files byte-identical
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, "-S", "skip_instance_cache=true"))
+    assert result.exit_code == 0, result.output  # no `zeroshard clean` needed
+    assert CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"]).exit_code == 0
+    assert pending(s3_client, bucket) == []
+
+
+def test_network_gone_mid_upload_fails_within_the_budget_and_says_what_is_left(proxy, old_output, s3_client):
+    """From the first part on, every connection dies: nothing can be cleaned up remotely. The run
+    (a process of its own, so that its claim's owner is gone after it) fails within the budget
+    with one line saying an upload may be pending and how to remove it; clean then does."""
+    ckpt, out, bucket, before = old_output
+    down = []
+
+    def rule(method, path, query):
+        if method == "PUT" and "partNumber=" in query:
+            down.append(True)
+        return ("drop", 100) if down else None
+
+    proxy.rule = rule
+    result = subprocess.run([sys.executable, "-m", "zeroshard.cli", *reshard_over(ckpt, out, *via(proxy, BUDGET_S))],
+                            capture_output=True, text=True, timeout=120, env=os.environ)
+    took = time.monotonic() - proxy.faulted_at[0]
+    assert result.returncode == 1 and result.stdout == "", result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"zeroshard_retry_s={BUDGET_S:g}" in lines[0] and "may be left pending" in lines[0], lines[0]
+    assert f"zeroshard clean {out} --older-than 0s --yes" in lines[0], lines[0]
+    assert BUDGET_S <= took < BUDGET_S + SLACK_S, took
+    assert pending(s3_client, bucket), "the fault should have left the upload pending"
+    assert "out/.zeroshard-claim" in objects(s3_client, bucket, "out/")
+
+    cleaned = CliRunner().invoke(main, ["clean", out, "--older-than", "0s", "--yes"])
+    assert cleaned.exit_code == 0 and "removed multipart upload" in cleaned.output, cleaned.output
+    assert pending(s3_client, bucket) == []
+    assert objects(s3_client, bucket, "out/") == before
+
+
+def test_a_server_that_never_answers_is_given_up_on_within_the_budget(proxy, old_output, s3_client):
+    """Part uploads are received but never answered: each attempt ends at the read timeout (no
+    longer than the budget) or at the budget's end, never at the network's own minutes-long limits."""
+    ckpt, out, bucket, before = old_output
+    proxy.rule = lambda m, p, q: ("hang", 0) if m == "PUT" and "partNumber=" in q else None
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, BUDGET_S)))
+    took = time.monotonic() - proxy.faulted_at[0]
+    one_line_failure(result, out, f"zeroshard_retry_s={BUDGET_S:g}")
+    assert took < 2 * BUDGET_S + SLACK_S, took  # the first attempt's read timeout, then the budget
+    assert pending(s3_client, bucket) == []
+    assert objects(s3_client, bucket, "out/") == before
+
+
+def test_a_fault_that_passes_within_the_budget_is_retried_and_the_output_commits(proxy, old_output, s3_client):
+    ckpt, out, bucket, before = old_output
+    faults = []
+
+    def rule(method, path, query):
+        if method == "PUT" and "partNumber=" in query and len(faults) < 4:
+            faults.append(path)
+            return ("drop", 100)
+        return None
+
+    proxy.rule = rule
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, 10.0)))
+    assert result.exit_code == 0, result.output
+    assert len(faults) == 4  # the faults did happen, and were retried past
+    assert pending(s3_client, bucket) == []
+    keys = objects(s3_client, bucket, "out/")
+    assert sorted(keys) == ["out/rank-00000-of-00003.safetensors", "out/rank-00001-of-00003.safetensors",
+                            "out/rank-00002-of-00003.safetensors", "out/zeroshard.json"]  # no claim left
+    assert keys != before
+    assert CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"]).exit_code == 0
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "1e9"])
+def test_a_bad_retry_budget_is_one_line_naming_the_option(tmp_path, value):
+    ckpt = tmp_path / "ckpt"
+    specs, data = training_state()
+    write_checkpoint(str(ckpt), specs, data, 2)
+    result = CliRunner().invoke(main, ["reshard", "-q", str(ckpt), "--to", "3", "-o", str(tmp_path / "o"),
+                                       "-S", f"zeroshard_retry_s={value}"])
+    one_line_failure(result, "storage option zeroshard_retry_s=", "expected seconds")
+
+
+def test_retry_budget_values():
+    from zeroshard.storage.remote_io import RemoteIO, split_options
+
+    assert split_options({"zeroshard_retry_s": "2.5s"}) == (RemoteIO(retry_s=2.5), {})
+    assert split_options({"zeroshard_retry_s": 90, "anon": True}) == (RemoteIO(retry_s=90.0), {"anon": True})
+    assert split_options({})[0].retry_s == 60.0
+
+
+def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_client):
+    """The claim's conditional PUT lands but its answer is lost: the retry is refused (the claim
+    exists), and the claim found there is recognised as this run's own, not another writer's."""
+    ckpt, out, bucket, before = old_output
+    lost = []
+
+    def rule(method, path, query):
+        if method == "PUT" and path.endswith("/out/.zeroshard-claim") and not lost:
+            lost.append(path)
+            return ("lose_answer", 0)
+        return None
+
+    proxy.rule = rule
+    result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, 5.0)))
+    assert result.exit_code == 0, result.output
+    assert lost and sum(1 for r in proxy.requests if r[0] == "PUT" and r[1] in lost) >= 2  # it was retried
+    assert "out/.zeroshard-claim" not in objects(s3_client, bucket, "out/")

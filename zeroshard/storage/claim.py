@@ -69,6 +69,8 @@ def take_claim(location: Location, what: str = "output", *, job_scoped: bool = F
         if location.create_exclusive(CLAIM_NAME, body):
             return Claim(location, nonce)
         holder = read_claim(location)
+        if holder.get("nonce") == nonce:  # our PUT landed, its answer was lost, and the retry was refused
+            return Claim(location, nonce)
         if not holder and location.exists(CLAIM_NAME) and not location.is_link(CLAIM_NAME):
             time.sleep(0.05)  # being written by its creator right now: look again
             holder = read_claim(location)

@@ -9,7 +9,8 @@ renamed into place; on S3 a multipart upload is completed only on success and ab
 failure, so an object never appears half-written.
 
 Remote reads and S3 writes run several requests at once (read_ahead.py, multipart.py), sized by
-the `zeroshard_*` storage options (remote_io.py).
+the `zeroshard_*` storage options (remote_io.py); on s3:// a failing request is retried for at
+most `zeroshard_retry_s` seconds (s3_retry.py), so a lost network ends a command in bounded time.
 """
 
 from __future__ import annotations
@@ -119,10 +120,8 @@ class Location:
         if path is not None:
             self._fs, self.path, self.local = None, path, True
         else:
-            import fsspec
-
             with storage_errors(url):
-                self._fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
+                self._fs, self.path = _filesystem(self.url, fs_options, self.remote_io.retry_s)
             self.local = "file" in _protocols(self._fs)
         self.read_budget = BlockBudget(self.remote_io.read_ahead)  # read-ahead held, across this folder's readers
 
@@ -282,6 +281,19 @@ class Location:
                     os.unlink(path)
             elif self.fs.exists(path):
                 self.fs.rm(path, recursive=recursive)
+
+
+def _filesystem(url: str, options: dict[str, Any], retry_s: float) -> tuple[Any, str]:
+    """(fsspec filesystem, path) for `url`. Plain s3:// URLs get s3fs with its retries bounded
+    in time by `zeroshard_retry_s` (s3_retry.py); anything else is fsspec's as it comes."""
+    if url.startswith(("s3://", "s3a://")) and "::" not in url:
+        from zeroshard.storage.s3_retry import BoundedS3FileSystem
+
+        kwargs = {**BoundedS3FileSystem._get_kwargs_from_urls(url), **options}
+        return BoundedS3FileSystem(retry_s=retry_s, **kwargs), BoundedS3FileSystem._strip_protocol(url)
+    import fsspec
+
+    return fsspec.core.url_to_fs(url, **options)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -462,12 +474,26 @@ class AtomicWriter:
                 with contextlib.suppress(Exception):
                     self._wait_pending()
                 self._discard()
-        except BaseException:
+        except BaseException as error:
             self._discard()
+            if isinstance(error, StorageError) and self._pending_note():
+                raise StorageError(error.where, error.problem + self._pending_note()) from error
             raise
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+        if isinstance(exc, StorageError) and self._pending_note():  # the error that ended the `with` block
+            raise StorageError(exc.where, exc.problem + self._pending_note()) from exc
+
+    def _pending_note(self) -> str:
+        """What to add to the error when the S3 upload's abort did not get through."""
+        if not getattr(self._file, "maybe_pending", False):
+            return ""
+        folder = self._location.url
+        if folder.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):  # a staging folder: name its output
+            folder = folder.rsplit("/", 1)[0]
+        return (f"; its multipart upload could not be aborted and may be left pending (S3 bills for it): "
+                f"the next run into this output aborts it, or `zeroshard clean {folder} --older-than 0s --yes`")
 
     def _commit(self) -> None:
         loc = self._location

@@ -4,8 +4,11 @@ s3fs's own file object uploads one part at a time, so a write runs at one stream
 Here each full part is handed to s3fs's client (on fsspec's event loop) and the writer moves on
 filling the next; at most `uploads_in_flight` parts are uploading at once. The object appears
 only when commit() completes the upload after every part succeeded; discard() (or any failure)
-waits for the parts still uploading and aborts the upload, so no object and no pending
-multipart upload is left behind. A file smaller than one part is a single PUT at commit.
+stops the parts still uploading and aborts the upload, so no object and no pending multipart
+upload is left behind. Every wait is bounded: requests are retried for at most
+`zeroshard_retry_s` (s3_retry.py), and the abort is waited for at most ABORT_WAIT_S; an abort
+that could not get through is reported (`maybe_pending`), never waited on for long.
+A file smaller than one part is a single PUT at commit.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import Any
 
-from zeroshard.storage.remote_io import RemoteIO, part_size, submit
+from zeroshard.storage.remote_io import ABORT_WAIT_S, RemoteIO, part_size, submit
 
 
 class ConcurrentMultipartUpload:
@@ -33,6 +36,7 @@ class ConcurrentMultipartUpload:
         self._parts: list[dict[str, Any]] = []
         self._part_number = 0
         self.closed = False
+        self.maybe_pending = False  # discard() could not confirm that the upload was aborted
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -93,16 +97,30 @@ class ConcurrentMultipartUpload:
         self._fs.invalidate_cache(self._path)
 
     def discard(self) -> None:
-        """Abort: let the parts in flight finish (a part landing after the abort could outlive
-        it), then abort the upload so S3 keeps nothing."""
+        """Abort, bounded in time: stop the parts in flight, then abort the upload so that S3
+        keeps nothing. If the abort cannot be confirmed (S3 unreachable), `maybe_pending` is set:
+        the upload may be left pending until `zeroshard clean` or the next run into the folder
+        aborts it."""
         self._buffer = bytearray()
         self.closed = True
         futures = [f for _, f in self._in_flight]
         self._in_flight.clear()
-        wait(futures)
-        if self._upload_id is not None:
-            upload_id, self._upload_id = self._upload_id, None
-            self._call("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+        for future in futures:  # their bytes would be thrown away: stop sending them
+            future.cancel()
+        limit = min(self._settings.retry_s + 1.0, ABORT_WAIT_S)
+        wait(futures, timeout=limit)  # a cancelled request ends at once; the abort comes after it
+        if self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        abort = submit(self._fs, "call_s3", "abort_multipart_upload", Bucket=self._bucket, Key=self._key,
+                       UploadId=upload_id)
+        try:
+            abort.result(timeout=limit)
+        except FileNotFoundError:
+            pass  # no such upload: already gone
+        except Exception:  # unreachable or refused: say so (AtomicWriter adds it to the error)
+            abort.cancel()
+            self.maybe_pending = True
 
 
 def is_s3(fs: Any) -> bool:

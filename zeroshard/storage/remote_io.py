@@ -31,12 +31,19 @@ class RemoteIO:
     Memory: blocks fetched ahead of the reads asked for are at most `read_ahead` (64 MiB by
     default) across all the files read through one Location, and one read holds at most
     `read_ahead` blocks of its own; an upload holds its filling part plus `uploads_in_flight` parts.
+    Time: an S3 request that keeps failing is retried for `retry_s`, then the command gives up
+    (s3_retry.py).
     """
 
     block_bytes: int = 8 * MiB  # one ranged GET (AWS advises ranges of 8 or 16 MB)
     read_ahead: int = 8  # GETs in flight for one reader (and blocks held ahead, across its Location)
     part_bytes: int = 16 * MiB  # size of one multipart-upload part (doubles every 2,000 parts)
     uploads_in_flight: int = 8  # parts uploading at once for one object
+    retry_s: float = 60.0  # how long an S3 request may keep failing (retried) before the command gives up
+
+
+# The clean-up of a failed upload (its abort) waits at most this long: a failing command must end.
+ABORT_WAIT_S = 15.0
 
 
 OPTION_KEYS = {
@@ -44,6 +51,7 @@ OPTION_KEYS = {
     "zeroshard_read_ahead": "read_ahead",
     "zeroshard_part_size": "part_bytes",
     "zeroshard_uploads_in_flight": "uploads_in_flight",
+    "zeroshard_retry_s": "retry_s",
 }
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
 
@@ -56,15 +64,29 @@ def _size(key: str, value: Any) -> int:
     return int(match.group(1)) * (1024 ** " KMG".index(unit) if unit else 1)
 
 
+def _seconds(key: str, value: Any) -> float:
+    text = str(value).strip().removesuffix("s").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.1 <= seconds <= 24 * 3600:  # also refuses nan and inf
+        raise ZeroshardError(f"storage option {key}={value!r}: expected seconds between 0.1 and 86400, such as 60")
+    return seconds
+
+
 def split_options(options: Mapping[str, Any]) -> tuple[RemoteIO, dict[str, Any]]:
     """(zeroshard's remote I/O settings, the options left for fsspec)."""
     mine = {OPTION_KEYS[k]: v for k, v in options.items() if k in OPTION_KEYS}
     rest = {k: v for k, v in options.items() if k not in OPTION_KEYS}
     if unknown := [k for k in rest if k.startswith("zeroshard_")]:
         raise ZeroshardError(f"unknown storage option {unknown[0]!r} (known: {', '.join(OPTION_KEYS)})")
-    values = {}
+    values: dict[str, Any] = {}
     for field, value in mine.items():
         key = next(k for k, f in OPTION_KEYS.items() if f == field)
+        if field == "retry_s":
+            values[field] = _seconds(key, value)
+            continue
         values[field] = _size(key, value)
         low = S3_MIN_PART_BYTES if field == "part_bytes" else 64 * 1024 if field == "block_bytes" else 1
         if values[field] < low:
