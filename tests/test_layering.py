@@ -103,3 +103,39 @@ def test_every_error_class_is_a_zeroshard_error_exported_from_the_package():
                     getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception")) for b in node.bases):
                 elsewhere.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert not elsewhere, elsewhere
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """zeroshard's files as modules, each with the zeroshard modules it imports (anywhere in the
+    file, type-checking imports too). `from pkg import mod` is an edge to pkg.mod, not to pkg."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "zeroshard").rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        wanted = _imports(path)
+        graph[name] = {m for m in wanted if m in files and m != name
+                       and not any(other.startswith(m + ".") and other in files for other in wanted)}
+    return graph
+
+
+def test_no_import_circles_between_files():
+    """The import graph of zeroshard's files is a DAG, inside packages too (issue 20)."""
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the graph was really read

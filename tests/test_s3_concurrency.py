@@ -296,7 +296,7 @@ def test_a_filesystem_without_async_reads_through_the_thread_pool():
 
     location = Location(f"memory://zs-{uuid.uuid4().hex[:8]}", {"zeroshard_block_size": BLOCK})
     data = random.Random(5).randbytes(3 * BLOCK + 99)
-    location.fs.pipe_file(location._full("m.bin"), data)
+    location.fs.pipe_file(location.full_path("m.bin"), data)
     assert not location.local and not getattr(location.fs, "async_impl", False)
     with location.open_reader("m.bin") as reader:
         assert reader.read(0, 10) == data[:10]

@@ -24,6 +24,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from zeroshard.errors import StorageError
+from zeroshard.storage.describe import describe_error
 from zeroshard.storage.owner import owner_tag
 from zeroshard.storage.remote_io import BlockBudget, split_options
 
@@ -42,20 +43,6 @@ def _boto_errors() -> tuple[type[BaseException], ...]:
         return (BotoCoreError,)
     except ImportError:  # botocore comes with s3fs; only absent in stripped installs
         return ()
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line saying what went wrong, for a StorageError."""
-    if isinstance(exc, FileNotFoundError):
-        return "not found"
-    if isinstance(exc, PermissionError):
-        return "permission denied"
-    if isinstance(exc, IsADirectoryError):
-        return "is a directory"
-    text = str(exc).strip() or type(exc).__name__
-    if getattr(exc, "errno", None) == 28:
-        text = "no space left on device"
-    return text.splitlines()[0][:300]
 
 
 @contextlib.contextmanager
@@ -139,34 +126,34 @@ class Location:
         """The user-facing URL of `name` inside this folder (for messages)."""
         return f"{self.url}/{name}" if name else self.url
 
-    def _full(self, name: str) -> str:
+    def full_path(self, name: str) -> str:
         return posixpath.join(self.path, name) if name else self.path
 
     def child(self, name: str) -> "Location":
         loc = Location.__new__(Location)
         loc.url, loc.storage_options, loc._fs, loc.local = self.url_of(name), self.storage_options, self._fs, self.local
         loc.remote_io, loc.read_budget = self.remote_io, self.read_budget
-        loc.path = self._full(name)
+        loc.path = self.full_path(name)
         return loc
 
     # ---- queries ------------------------------------------------------------------------
     def exists(self, name: str = "") -> bool:
         with storage_errors(self.url_of(name)):
             if self.local:
-                return os.path.lexists(self._full(name))
-            return bool(self.fs.exists(self._full(name)))
+                return os.path.lexists(self.full_path(name))
+            return bool(self.fs.exists(self.full_path(name)))
 
     def isdir(self, name: str = "") -> bool:
         with storage_errors(self.url_of(name)):
             if self.local:
-                return os.path.isdir(self._full(name))
-            return bool(self.fs.isdir(self._full(name)))
+                return os.path.isdir(self.full_path(name))
+            return bool(self.fs.isdir(self.full_path(name)))
 
     def size(self, name: str) -> int:
         with storage_errors(self.url_of(name)):
             if self.local:
-                return os.stat(self._full(name)).st_size
-            return int(self.fs.size(self._full(name)))
+                return os.stat(self.full_path(name)).st_size
+            return int(self.fs.size(self.full_path(name)))
 
     def list(self) -> list[str]:
         """Names directly inside this folder; empty when it does not exist."""
@@ -182,14 +169,14 @@ class Location:
     # ---- reading ------------------------------------------------------------------------
     def is_link(self, name: str = "") -> bool:
         """Whether `name` is a symbolic link (locally; object stores have none)."""
-        return self.local and os.path.islink(self._full(name))
+        return self.local and os.path.islink(self.full_path(name))
 
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of `name` (None: from the beginning / to the end)."""
         with storage_errors(self.url_of(name)):
             if not self.local:
-                return self.fs.cat_file(self._full(name), start=start, end=end)
-            fd, _ = open_regular_file(self._full(name), self.url_of(name), follow_links=True)
+                return self.fs.cat_file(self.full_path(name), start=start, end=end)
+            fd, _ = open_regular_file(self.full_path(name), self.url_of(name), follow_links=True)
             with os.fdopen(fd, "rb") as file:
                 if start:
                     file.seek(start)
@@ -223,7 +210,7 @@ class Location:
 
         def sync_one(name: str) -> None:
             with storage_errors(self.url_of(name)):
-                fd = os.open(self._full(name), os.O_RDONLY)
+                fd = os.open(self.full_path(name), os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
@@ -241,7 +228,7 @@ class Location:
     def create_exclusive(self, name: str, data: bytes) -> bool:
         """Create `name` holding `data` only if it does not exist; False if it does. Atomic:
         O_CREAT|O_EXCL locally, a conditional PUT (If-None-Match: *) on S3."""
-        path = self._full(name)
+        path = self.full_path(name)
         with storage_errors(self.url_of(name)):
             if not self.local:
                 try:
@@ -268,14 +255,14 @@ class Location:
         with storage_errors(self.url_of(name)):
             if self.local:
                 dest.makedirs()
-                os.replace(self._full(name), dest._full(name))
+                os.replace(self.full_path(name), dest.full_path(name))
             else:
-                self.fs.copy(self._full(name), dest._full(name))
-                self.fs.rm(self._full(name))
+                self.fs.copy(self.full_path(name), dest.full_path(name))
+                self.fs.rm(self.full_path(name))
 
     def remove(self, name: str, recursive: bool = False) -> None:
         with storage_errors(self.url_of(name)):
-            path = self._full(name)
+            path = self.full_path(name)
             if self.local and not recursive:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -322,10 +309,10 @@ class RangeReader:
         self._size = 0
         self._remote: BlockReader | None = None
         if location.local:
-            if not follow_links and os.path.islink(location._full(name)):
+            if not follow_links and os.path.islink(location.full_path(name)):
                 raise StorageError(self.where, "is a symbolic link; zeroshard reads a checkpoint's own files only, "
                                                "never a link to bytes elsewhere")
-            self._fd, self._size = open_regular_file(location._full(name), self.where, follow_links)
+            self._fd, self._size = open_regular_file(location.full_path(name), self.where, follow_links)
         else:
             from zeroshard.storage.read_ahead import BlockReader
 
@@ -432,15 +419,15 @@ class AtomicWriter:
             if loc.local:
                 loc.makedirs()
                 # the owner tag lets a later run tell a dead writer's leftover from a live one's
-                self._temp = loc._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
+                self._temp = loc.full_path(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
                 self._file = open(self._temp, "wb", buffering=0)
                 return self
             from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3
 
             if is_s3(loc.fs):  # parts upload concurrently; completed at commit, aborted on failure
-                self._file = ConcurrentMultipartUpload(loc.fs, loc._full(self._name), loc.remote_io)
+                self._file = ConcurrentMultipartUpload(loc.fs, loc.full_path(self._name), loc.remote_io)
             else:
-                self._file = loc.fs.open(loc._full(self._name), "wb", autocommit=False)
+                self._file = loc.fs.open(loc.full_path(self._name), "wb", autocommit=False)
         return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -503,7 +490,7 @@ class AtomicWriter:
                     if self._durable:
                         os.fsync(self._file.fileno())
                     self._file.close()
-                    os.replace(self._temp, loc._full(self._name))
+                    os.replace(self._temp, loc.full_path(self._name))
                     self._temp = None
                     if self._durable:
                         _fsync_dir(loc.path)

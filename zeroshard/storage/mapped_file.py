@@ -56,7 +56,7 @@ class MappedOutput:
     def create(cls, location: Location, name: str, size: int) -> "MappedOutput":
         """A new temp file of `size` bytes, allocated on disk, beside `name` in `location`."""
         location.makedirs()
-        temp = location._full(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}")  # leftovers: owner known
+        temp = location.full_path(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}")  # leftovers: owner known
         out = cls(location, name, temp, size)
         with storage_errors(out.where):
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -146,7 +146,7 @@ class MappedOutput:
 def move_into_place(location: Location, temp_path: str, name: str) -> None:
     """Rename a finished temp file (of this process or a worker's) to `name` in `location`."""
     with storage_errors(location.url_of(name)):
-        os.replace(temp_path, location._full(name))
+        os.replace(temp_path, location.full_path(name))
 
 
 def _allocate(fd: int, size: int) -> None:

@@ -18,13 +18,29 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 from zeroshard.errors import StorageError
+from zeroshard.storage.describe import describe_error
 from zeroshard.storage.remote_io import BlockBudget, RemoteIO, submit
 
-if TYPE_CHECKING:
-    from zeroshard.storage.location import Location
+
+class Folder(Protocol):
+    """What these readers need of a folder (storage.location.Location has it), so that this
+    module does not import location.py, which imports it."""
+
+    local: bool
+    fs: Any
+    remote_io: RemoteIO
+    read_budget: BlockBudget
+
+    def url_of(self, name: str) -> str: ...
+
+    def full_path(self, name: str) -> str: ...
+
+    def size(self, name: str) -> int: ...
+
+    def open_reader(self, name: str) -> Any: ...
 
 
 @dataclass
@@ -43,10 +59,10 @@ class BlockReader:
     A failed GET surfaces as a StorageError naming `where` at the read that needs its bytes.
     """
 
-    def __init__(self, location: "Location", name: str, settings: RemoteIO, budget: BlockBudget,
+    def __init__(self, location: Folder, name: str, settings: RemoteIO, budget: BlockBudget,
                  size: int | None = None):
         self.where = location.url_of(name)
-        self._location, self._name, self._path = location, name, location._full(name)
+        self._location, self._name, self._path = location, name, location.full_path(name)
         self._block, self._depth, self._budget = settings.block_bytes, settings.read_ahead, budget
         self._size = size
         self._blocks: dict[int, _Block] = {}  # block index -> a GET in flight or its bytes
@@ -151,8 +167,6 @@ class BlockReader:
 
 
 def _wait(future: Future, where: str) -> bytes:
-    from zeroshard.storage.location import describe_error
-
     try:
         return future.result()
     except StorageError:
@@ -161,7 +175,7 @@ def _wait(future: Future, where: str) -> bytes:
         raise StorageError(where, describe_error(exc)) from exc
 
 
-def read_ranges(location: "Location", ranges: Iterable[tuple[str, int, int]], *,
+def read_ranges(location: Folder, ranges: Iterable[tuple[str, int, int]], *,
                 max_bytes: int | None = None, max_requests: int | None = None) -> Iterator[bytes]:
     """Yield the bytes of each `(name, offset, length)` in `ranges`, in the order given.
 
@@ -192,7 +206,7 @@ def read_ranges(location: "Location", ranges: Iterable[tuple[str, int, int]], *,
                                                            and held + upcoming[3] - upcoming[2] <= max_bytes)):
             i, name, start, end = upcoming
             in_flight.append((i, start, end,
-                              submit(location.fs, "cat_file", location._full(name), start=start, end=end)))
+                              submit(location.fs, "cat_file", location.full_path(name), start=start, end=end)))
             held += end - start
             upcoming = next(pieces, None)
 
@@ -215,7 +229,7 @@ def read_ranges(location: "Location", ranges: Iterable[tuple[str, int, int]], *,
             future.cancel()
 
 
-def _read_local(location: "Location", ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
+def _read_local(location: Folder, ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
     readers = {}
     try:
         for name, offset, length in ranges:

@@ -174,7 +174,7 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
     data_at = np.empty(len(files), dtype=np.int64)  # where each input's data section starts in in_buf
     for i, (q, file, base) in enumerate(zip(needed.tolist(), files, in_base.tolist())):
         data = in_view[base:base + file.size]
-        if not read_regular_file(source._full(file.name), data):
+        if not read_regular_file(source.full_path(file.name), data):
             raise _Fallback
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
             _explain_mismatch(source, manifest, q)
@@ -223,7 +223,7 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
             out_buf[table:table + 8 * (splits[k + 1] - splits[k])] = hashes[splits[k]:splits[k + 1]].tobytes()
             data = view[b:b + sizes[k]]
             name = rank_file_name(r, planner.world_size)
-            path = target._full(prefix + name)
+            path = target.full_path(prefix + name)
             with storage_errors(target.url_of(name)):
                 _write_new(path, data)
             # fragment hashes are in the file's table; nothing downstream needs them again here

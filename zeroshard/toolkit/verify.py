@@ -146,7 +146,7 @@ def check_files(url: str, storage_options: dict, manifest: Manifest, files: list
             if layouts is not None and file.size <= SMALL_FILE_BYTES:
                 if len(buffer) < file.size:
                     buffer = bytearray(max(file.size, 2 * len(buffer)))
-                fast = _check_small_file(location._full(file.name), file, manifest, layouts, buffer, deep, sha256)
+                fast = _check_small_file(location.full_path(file.name), file, manifest, layouts, buffer, deep, sha256)
             if fast is not None:  # everything holds
                 found, digest = [], fast
                 if progress is not None:
