@@ -34,12 +34,13 @@ def _import(src: Path, out: Path, *extra: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int]) -> dict:
+def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False) -> dict:
     import zeroshard
 
     engine = zeroshard.initialize(model=make_model(seed=1), optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH,
+                                          "bf16": {"enabled": bf16}})
     # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
     client = engine.load_checkpoint(path)
     losses = []
@@ -70,6 +71,37 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
         assert got["global_steps"] == 3 + len(steps)
         for mine, theirs in zip(got["losses"], expected["losses_resumed"]):
             assert math.isclose(mine, theirs, rel_tol=1e-5), (engine_stage, got["losses"], expected["losses_resumed"])
+
+
+# variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
+VARIANTS = {"offload": (".", False)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant):
+    """Layouts real runs produce (tools/make_deepspeed_fixtures.py): the import resumes with the
+    losses DeepSpeed's own resume of the same checkpoint produced."""
+    src, bf16 = VARIANTS[variant]
+    expected = json.loads((FIXTURES / variant / "expected.json").read_text())
+    out = tmp_path / "imported"
+    _import(FIXTURES / variant / src, out)
+    _, manifest = open_checkpoint(str(out))
+    assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
+    steps = [3, 4, 5]
+    got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=steps, bf16=bf16,
+                    init_process_group=False)[0]
+    assert got["global_steps"] == 6
+    assert {k: got["client"][k] for k in expected["client_state"]} == expected["client_state"]
+    assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
+
+
+def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):
+    """DeepSpeedCPUAdam keeps `step` as a Python int; torch's AdamW needs a 0-d float tensor."""
+    raw = torch.load(FIXTURES / "offload" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     weights_only=False)
+    assert type(raw["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int  # the real form
+    imp = read_deepspeed(str(FIXTURES / "offload"))
+    assert all(s["step"] == {"dtype": "F32", "value": 3.0} for s in imp.scalar_state.values())
 
 
 def test_import_reshards_to_another_world_size(tmp_path):

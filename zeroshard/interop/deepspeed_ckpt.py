@@ -49,6 +49,17 @@ def _int_field(where: str, value: Any, what: str, default: int = 0) -> int:
     return value
 
 
+def optimizer_scalar(where: str, value: Any, key: str) -> dict[str, Any]:
+    """A scalar optimizer state in the form torch's optimizers keep it: a 0-d float32 tensor.
+    DeepSpeedCPUAdam (offload_optimizer) keeps Adam's `step` as a Python int; written as an int,
+    torch's AdamW refuses it at the first step() ("state_steps ... singleton tensors")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or abs(value) > 2**53:
+            raise CheckpointError(where, f"optimizer state {key!r} is {value!r}, not a usable scalar")
+        return {"dtype": "F32", "value": float(value)}
+    return scalar_json(value, f"optimizer state {key!r}")
+
+
 def _check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[int, ...]]]:
     """param_shapes: a list of {name: shape}, every dimension a non-negative integer; bounded
     here so no absurd or negative size reaches an allocation."""
@@ -161,6 +172,9 @@ def _read(folder: str) -> Imported:
         saved = dict((base.get("param_groups") or [{}] * len(groups_shapes))[g])
         saved.pop("params", None)
         group = {k: to_json_value(v, f"param group option {k!r}") for k, v in saved.items()}
+        if group.get("bias_correction") is False:  # DeepSpeed's (CPU/Fused)Adam option; torch's always corrects
+            raise CheckpointError(folder, f"param group {g} has bias_correction false, which torch's Adam cannot "
+                                          "reproduce")
         group["params"] = list(shapes)
         hyper.append(group)
     imp.param_groups = hyper
@@ -229,7 +243,7 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
                 # each rank's moment may keep the tail padding its fp32 slice dropped
                 states[key] = torch.cat([r[key].reshape(-1)[: f.numel()] for r, f in zip(per_rank, fp32)])
             else:
-                scalars[key] = scalar_json(value, f"optimizer state {key!r}")
+                scalars[key] = optimizer_scalar(paths[0], value, key)
         _cut(imp, paths[0], shapes, full, states, scalars)
 
 
@@ -248,7 +262,7 @@ def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shape
     moments = {k: [torch.cat([s[g][k].reshape(-1) for g in sorted(s)]) for s in per_rank_states]
                for k, per_elem in keys.items() if per_elem}
     first_group = per_rank_states[0][min(per_rank_states[0])]
-    scalars = {k: scalar_json(first_group[k], f"optimizer state {k!r}") for k, per_elem in keys.items()
+    scalars = {k: optimizer_scalar(paths[0], first_group[k], k) for k, per_elem in keys.items()
                if not per_elem}
     need = sum(math.ceil(math.prod(s) / world) for _, s in names)
     if any(f.numel() < need for f in flat):
