@@ -74,7 +74,7 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
-VARIANTS = {"offload": (".", False)}
+VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

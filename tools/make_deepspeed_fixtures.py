@@ -78,6 +78,8 @@ def _engine(variant: dict, seed: int, resume: bool = False):
     import deepspeed
 
     model = make_model(seed)
+    if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
+        model.bfloat16()
     if variant.get("offload"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(variant, resume))

@@ -106,6 +106,7 @@ def resolve_tag_folder(src: str) -> str:
 
 def _optim_files(folder: str) -> list[str]:
     found = {}
+    prefixes = set()
     for name in os.listdir(folder):
         m = _OPTIM.match(name)
         if m:
@@ -113,6 +114,9 @@ def _optim_files(folder: str) -> list[str]:
                 raise CheckpointError(os.path.join(folder, name),
                                       "model-parallel checkpoints (mp_rank > 0) are not supported")
             found[int(m.group(1))] = os.path.join(folder, name)
+            prefixes.add(name.startswith("bf16_"))
+    if len(prefixes) > 1:  # two saves in one folder: which is this checkpoint's is not ours to guess
+        raise CheckpointError(folder, "holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files")
     if not found or sorted(found) != list(range(len(found))):
         raise CheckpointError(folder, f"expected zero_pp_rank_0..N-1 optimizer files, found ranks {sorted(found)}")
     return [found[r] for r in range(len(found))]
@@ -138,6 +142,9 @@ def _read(folder: str) -> Imported:
             raise CheckpointError(path, "not a DeepSpeed ZeRO optimizer file (no optimizer_state_dict)")
         osds.append(sd["optimizer_state_dict"])
     stage = _int_field(optim_paths[0], osds[0].get("zero_stage"), "zero_stage", -1)
+    if stage == -1 and os.path.basename(optim_paths[0]).startswith("bf16_") \
+            and "single_partition_of_fp32_groups" in osds[0]:
+        stage = 1  # DeepSpeed's BF16_Optimizer (bf16 at ZeRO 1) records no stage; its layout is stage 1's
     if stage not in (1, 2, 3):
         raise CheckpointError(optim_paths[0], f"unsupported ZeRO stage {stage} (1, 2 or 3 expected)")
     parts = osds[0].get("partition_count")
@@ -229,8 +236,8 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
     for g, shapes in enumerate(groups_shapes):
         for path, osd in zip(paths, osds):
             if "single_partition_of_fp32_groups" not in osd:
-                raise CheckpointError(path, "no single_partition_of_fp32_groups (a BF16_Optimizer or "
-                                            "non-ZeRO optimizer file?): not supported")
+                raise CheckpointError(path, "no single_partition_of_fp32_groups (a non-ZeRO optimizer "
+                                            "file?): not supported")
             if any((osd.get("param_alignment_paddings") or [[]] * (g + 1))[g]):
                 raise CheckpointError(path, "per-parameter alignment padding is not supported")
         fp32 = [osd["single_partition_of_fp32_groups"][g].float() for osd in osds]
