@@ -74,7 +74,8 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
-VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True)}
+VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
+            "universal": (".", False)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -102,6 +103,35 @@ def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):
     assert type(raw["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int  # the real form
     imp = read_deepspeed(str(FIXTURES / "offload"))
     assert all(s["step"] == {"dtype": "F32", "value": 3.0} for s in imp.scalar_state.values())
+
+
+def test_hf_trainer_folders_carry_trainer_state_into_client_state(tmp_path):
+    """checkpoint-N (a save_dir) and the run folder holding one checkpoint-N both import; the
+    Trainer's trainer_state.json rides along under client_state["hf_trainer_state"]."""
+    state = json.loads((FIXTURES / "hf" / "checkpoint-3" / "trainer_state.json").read_text())
+    for src in (FIXTURES / "hf", FIXTURES / "hf" / "checkpoint-3", FIXTURES / "hf" / "checkpoint-3" / "global_step3"):
+        out = tmp_path / src.name
+        _import(src, out)
+        manifest = open_checkpoint(str(out))[1]
+        assert manifest.client_state == {"hf_trainer_state": state} and state["global_step"] == 3
+
+
+def test_universal_checkpoint_equals_the_per_rank_save_it_came_from():
+    """ds_to_universal of a stage-2 run (the same seeds and data as the stage2 fixture) reads back
+    to exactly the values of the per-rank save; by root (latest_universal) or by folder."""
+    per_rank = read_deepspeed(str(FIXTURES / "stage2"))
+    for src in (FIXTURES / "universal", FIXTURES / "universal" / "global_step3_universal"):
+        uni = read_deepspeed(str(src))
+        assert list(uni.params) == list(per_rank.params) and uni.aliases == per_rank.aliases
+        for name, tensor in per_rank.params.items():
+            assert torch.equal(uni.params[name], tensor), name
+            assert sorted(uni.optimizer_state[name]) == ["exp_avg", "exp_avg_sq"]
+            for key, moment in per_rank.optimizer_state[name].items():
+                assert torch.equal(uni.optimizer_state[name][key], moment), (name, key)
+            assert uni.scalar_state[name] == per_rank.scalar_state[name] == {"step": {"dtype": "F32", "value": 3.0}}
+        assert uni.param_groups == per_rank.param_groups and uni.client_state == per_rank.client_state
+        assert (uni.global_steps, uni.zero_stage, uni.world_size) == (3, 2, 2)
+        assert torch.equal(uni.buffers["scale"], per_rank.buffers["scale"])
 
 
 def test_import_reshards_to_another_world_size(tmp_path):
@@ -174,7 +204,8 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
     """With DeepSpeed installed, regenerate the fixtures with this DeepSpeed and check them too."""
     tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh"), "stage1", "stage2", "stage3"],
+                          capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for stage in (1, 2, 3):
