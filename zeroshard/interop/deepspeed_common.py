@@ -153,6 +153,9 @@ def carry_trainer_state(imp: Imported, folder: str) -> None:
     path = os.path.join(folder, TRAINER_STATE)
     if not os.path.lexists(path):
         return
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointError(path, f"is a link leading out of the checkpoint folder (to {real})")
     raw = read_small_file(path, MAX_TRAINER_STATE_BYTES)
     try:
         state = json.loads(raw.decode("utf-8"))
