@@ -191,6 +191,7 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_interop_is_toolkit_side():
     """The importers never import the training core, and torch only when a command runs."""
     code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
+            "zeroshard.interop.deepspeed_common, zeroshard.interop.deepspeed_universal, "
             "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; "
             "print('\\n'.join(sys.modules))")
     modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
