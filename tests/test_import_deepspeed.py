@@ -75,7 +75,7 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
 VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
-            "universal": (".", False)}
+            "universal": (".", False), "universal_stage3": (".", False)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -116,11 +116,13 @@ def test_hf_trainer_folders_carry_trainer_state_into_client_state(tmp_path):
         assert manifest.client_state == {"hf_trainer_state": state} and state["global_step"] == 3
 
 
-def test_universal_checkpoint_equals_the_per_rank_save_it_came_from():
-    """ds_to_universal of a stage-2 run (the same seeds and data as the stage2 fixture) reads back
-    to exactly the values of the per-rank save; by root (latest_universal) or by folder."""
-    per_rank = read_deepspeed(str(FIXTURES / "stage2"))
-    for src in (FIXTURES / "universal", FIXTURES / "universal" / "global_step3_universal"):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_universal_checkpoint_equals_the_per_rank_save_it_came_from(stage):
+    """ds_to_universal of a stage-2/3 run (the same seeds and data as the stage2/3 fixture) reads
+    back to exactly the values of the per-rank save; by root (latest_universal) or by folder."""
+    per_rank = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    variant = FIXTURES / ("universal" if stage == 2 else "universal_stage3")
+    for src in (variant, variant / "global_step3_universal"):
         uni = read_deepspeed(str(src))
         assert list(uni.params) == list(per_rank.params) and uni.aliases == per_rank.aliases
         for name, tensor in per_rank.params.items():
@@ -130,7 +132,7 @@ def test_universal_checkpoint_equals_the_per_rank_save_it_came_from():
                 assert torch.equal(uni.optimizer_state[name][key], moment), (name, key)
             assert uni.scalar_state[name] == per_rank.scalar_state[name] == {"step": {"dtype": "F32", "value": 3.0}}
         assert uni.param_groups == per_rank.param_groups and uni.client_state == per_rank.client_state
-        assert (uni.global_steps, uni.zero_stage, uni.world_size) == (3, 2, 2)
+        assert (uni.global_steps, uni.zero_stage, uni.world_size) == (3, stage, 2)
         assert torch.equal(uni.buffers["scale"], per_rank.buffers["scale"])
 
 

@@ -49,6 +49,7 @@ VARIANTS = {
     "bf16_stage2": {"stage": 2, "bf16": True},
     "hf": {"stage": 2, "hf": True},
     "universal": {"stage": 2, "universal": True},
+    "universal_stage3": {"stage": 3, "universal": True},
 }
 
 

@@ -8,6 +8,9 @@ Layout (DeepSpeed 0.19.8; deepspeed/checkpoint/universal_checkpoint.py is the re
                                       partition_count, loss_scaler, ...
   UNI/zero/<param>/fp32.pt            {"param": the full fp32 tensor, "cat_dim": ...}
   UNI/zero/<param>/<state>.pt         exp_avg, exp_avg_sq in the same form; step.pt a 0-d tensor
+Stage 3's conversion differs: the state files hold bare tensors, there is no step.pt, and
+optimizer_state.pt is rank 0's whole optimizer file; its state[first sub-group]["step"] is the
+step of every parameter (as DeepSpeed's own stage-3 universal load takes it).
 Tensors are whole (no rank slices). Parameters are param_shapes' names; module entries without
 optimizer state (tied weights, buffers) also get a zero/<name>/fp32.pt, which is not read:
 buffers and ties come from the model-states file as in a per-rank save.
@@ -76,12 +79,23 @@ def read_universal(folder: str) -> Imported:
                                            f"param_shapes have {len(groups_shapes)}")
     imp = Imported(source=f"deepspeed-universal:{os.path.abspath(folder)}", params={}, zero_stage=stage,
                    world_size=world)
+    shared = _shared_scalars(common_path, common)
     for shapes in groups_shapes:
         for name, shape in shapes.items():
             _read_param(imp, folder, zero, name, shape)
+            imp.scalar_state[name] = {**shared, **imp.scalar_state[name]}  # a per-parameter step.pt wins
     fill_from_model(imp, folder, model_path, model, groups_shapes, ds_config, common["param_groups"],
                     common.get("loss_scaler"))
     return imp
+
+
+def _shared_scalars(path: str, common: dict) -> dict[str, Any]:
+    """Stage 3: the scalar states (step) of the first sub-group in optimizer_state.pt."""
+    state = (common.get("optimizer_state_dict") or {}).get("state") or {}
+    if not isinstance(state, dict) or not state:
+        return {}
+    first = state[min(state)]
+    return {k: optimizer_scalar(path, v, k) for k, v in first.items() if getattr(v, "dim", lambda: 0)() == 0}
 
 
 def _read_param(imp: Imported, folder: str, zero: str, name: str, shape: tuple[int, ...]) -> None:
