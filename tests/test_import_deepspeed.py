@@ -221,14 +221,35 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.timeout(1200)
+def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
+    """With DeepSpeed installed, regenerate the variant fixtures (offload builds DeepSpeed's CPU
+    Adam op with g++ on first use) and check them as the committed ones are checked."""
+    tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh"), *VARIANTS], capture_output=True,
+                          text=True, timeout=1100, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for variant, (src, bf16) in VARIANTS.items():
+        expected = json.loads((tmp_path / "fresh" / variant / "expected.json").read_text())
+        assert expected["losses_resumed"] == pytest.approx(expected["losses_after"], rel=1e-6)
+        out = tmp_path / f"imported-{variant}"
+        _import(tmp_path / "fresh" / variant / src, out)
+        got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=[3, 4, 5], bf16=bf16,
+                        init_process_group=False)[0]
+        assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), variant
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "hf/checkpoint-3"])
 def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
     """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    theirs = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / f"stage{stage}"))
-    ours = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    src = FIXTURES / (stage if isinstance(stage, str) else f"stage{stage}")
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    ours = read_deepspeed(str(src))
     mine = {**ours.params, **ours.buffers, **{a: ours.params[t] for a, t in ours.aliases.items()}}
     assert sorted(mine) == sorted(theirs)
     for name, tensor in theirs.items():

@@ -493,6 +493,18 @@ def test_deepspeed_hf_bad_trainer_state_is_one_line_naming_it(tmp_path, content)
     _refused_import(run, tmp_path, "trainer_state.json")
 
 
+def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
+    """The Trainer also leaves pickles in checkpoint-N (training_args.bin, rng_state_*.pth,
+    scheduler.pt): the import does not open them, so a callable in one runs nothing."""
+    run = ds_copy(tmp_path, "hf", "run")
+    side = tmp_path / "pwned"
+    for name in ("training_args.bin", "rng_state_0.pth", "scheduler.pt", "optimizer.pt"):
+        torch.save(_evil(side), run / "checkpoint-3" / name)
+    code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
+    assert code == 0, output
+    assert not side.exists()
+
+
 def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):
     run = ds_copy(tmp_path, "hf", "run")
     resave(run / "checkpoint-3" / TAG / MODEL, lambda m: m.__setitem__("hf_trainer_state", {"mine": 1}))
