@@ -139,10 +139,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_state(losses: list[float]) -> dict:
-    """What transformers' Trainer writes as checkpoint-N/trainer_state.json (4.4x layout)."""
+def write_trainer_state(path: Path, losses: list[float]) -> None:
+    """checkpoint-N/trainer_state.json as Hugging Face's Trainer writes it: with transformers'
+    own TrainerState.save_to_json where transformers is installed, else the same fields by hand."""
     history = [{"epoch": round((i + 1) / 6, 4), "grad_norm": 1.0, "learning_rate": LR, "loss": round(loss, 4),
                 "step": i + 1} for i, loss in enumerate(losses)]
+    try:
+        from transformers import TrainerControl, TrainerState
+    except ImportError:
+        path.write_text(json.dumps(trainer_state(history), indent=2, sort_keys=True) + "\n")
+        return
+    TrainerState(epoch=round(STEPS_BEFORE / 6, 4), global_step=STEPS_BEFORE, max_steps=6, logging_steps=1,
+                 save_steps=STEPS_BEFORE, train_batch_size=MICRO_BATCH, num_train_epochs=1, log_history=history,
+                 stateful_callbacks=[TrainerControl(should_save=True)]).save_to_json(str(path))
+
+
+def trainer_state(history: list[dict]) -> dict:
+    """transformers 5.x's TrainerState fields, for machines without transformers."""
     return {"best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
             "epoch": round(STEPS_BEFORE / 6, 4), "eval_steps": 500, "global_step": STEPS_BEFORE,
             "is_hyper_param_search": False, "is_local_process_zero": True, "is_world_process_zero": True,
@@ -152,7 +165,7 @@ def trainer_state(losses: list[float]) -> dict:
                                                                "should_log": False, "should_save": True,
                                                                "should_training_stop": False},
                                                       "attributes": {}}},
-            "total_flos": 0.0, "train_batch_size": MICRO_BATCH, "trial_name": None, "trial_params": None}
+            "total_flos": 0, "train_batch_size": MICRO_BATCH, "trial_name": None, "trial_params": None}
 
 
 def to_universal(out: Path) -> None:
@@ -172,8 +185,7 @@ def make(root: Path, name: str) -> None:
     mp.spawn(_rank, args=(_free_port(), name, "save", str(out)), nprocs=WORLD)
     if VARIANTS[name].get("hf"):
         progress = json.loads((out / "progress.json").read_text())
-        (out / HF_FOLDER / "trainer_state.json").write_text(
-            json.dumps(trainer_state(progress["losses_before"]), indent=2, sort_keys=True) + "\n")
+        write_trainer_state(out / HF_FOLDER / "trainer_state.json", progress["losses_before"])
     if VARIANTS[name].get("universal"):
         to_universal(out)
     mp.spawn(_rank, args=(_free_port(), name, "resume", str(out)), nprocs=WORLD)
