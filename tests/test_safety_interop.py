@@ -527,6 +527,7 @@ def _uni_edit(root: Path, rel: str, value) -> None:
     ("escaping-name", ("../../x",)),
     ("absurd-shape", ("fc.weight", "elements")),
     ("pointer", ("latest_universal", "not a universal checkpoint")),
+    ("deep", ("optimizer_state.pt", "nested")),
 ])
 def test_deepspeed_universal_hostile_folders_are_one_line(tmp_path, case, needles):
     root = ds_copy(tmp_path, "universal")
@@ -537,6 +538,16 @@ def test_deepspeed_universal_hostile_folders_are_one_line(tmp_path, case, needle
         (zero / "fc.bias" / "fp32.pt").unlink()
     elif case == "odd-file":
         shutil.copy(zero / "fc.bias" / "step.pt", zero / "fc.bias" / "x y.pt")
+    elif case == "deep":
+        nested: list = []
+        for _ in range(3000):
+            nested = [nested]
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
+        try:
+            resave(zero / "optimizer_state.pt", lambda o: o["param_groups"][0].__setitem__("mine", nested))
+        finally:
+            sys.setrecursionlimit(limit)
     elif case in ("world", "groups"):
         resave(zero / "optimizer_state.pt", lambda o: o.__setitem__("partition_count", [10**9]) if case == "world"
                else o["param_groups"].append(dict(o["param_groups"][0])))

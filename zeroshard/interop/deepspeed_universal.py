@@ -26,7 +26,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.interop.deepspeed_common import fill_from_model, int_field, load_model_states, optimizer_scalar
 from zeroshard.interop.imported import Imported
-from zeroshard.interop.torch_pickle import load_pt
+from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth
 
 _STATE_FILE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]{0,99})\.pt$")
 MAX_WORLD = 1 << 16  # the output's default rank count comes from partition_count: bounded, not trusted
@@ -63,6 +63,8 @@ def read_universal(folder: str) -> Imported:
     common = load_pt(common_path, folder)
     if not isinstance(common, dict) or not isinstance(common.get("param_groups"), list):
         raise CheckpointError(common_path, "not a universal optimizer_state.pt (no param_groups list)")
+    if nesting_depth(common) > MAX_NESTING:
+        raise CheckpointError(common_path, f"nested deeper than {MAX_NESTING} levels")
     stage = int_field(common_path, common.get("zero_stage"), "zero_stage", 1)
     if stage not in (1, 2, 3):
         raise CheckpointError(common_path, f"unsupported ZeRO stage {stage} (1, 2 or 3 expected)")
