@@ -493,6 +493,16 @@ def test_deepspeed_hf_bad_trainer_state_is_one_line_naming_it(tmp_path, content)
     _refused_import(run, tmp_path, "trainer_state.json")
 
 
+def test_deepspeed_hf_checkpoint_folder_looping_back_is_not_followed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-1").symlink_to(run)  # a loop: must not recurse
+    _refused_import(run, tmp_path, "not a DeepSpeed checkpoint")
+    (run / "checkpoint-1").unlink()
+    (run / "checkpoint-1" / "checkpoint-2").mkdir(parents=True)  # looked into once, not twice
+    _refused_import(run, tmp_path, "checkpoint-1", "not a DeepSpeed checkpoint")
+
+
 def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
     """The Trainer also leaves pickles in checkpoint-N (training_args.bin, rng_state_*.pth,
     scheduler.pt): the import does not open them, so a callable in one runs nothing."""

@@ -65,8 +65,9 @@ def _follow(src: str, pointer: str) -> str:
     return folder
 
 
-def resolve(src: str) -> tuple[str, str]:
-    """("zero", tag folder) or ("universal", ds_to_universal folder) for the checkpoint at `src`."""
+def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
+    """("zero", tag folder) or ("universal", ds_to_universal folder) for the checkpoint at `src`;
+    a Trainer run folder is looked into once (not inside a checkpoint-N, not through links)."""
     from zeroshard.interop.deepspeed_universal import is_universal_folder
 
     if not os.path.isdir(src):
@@ -86,10 +87,11 @@ def resolve(src: str) -> tuple[str, str]:
             raise CheckpointError(os.path.join(src, "latest_universal"), f"names {os.path.basename(folder)!r}, "
                                   "which has no zero/optimizer_state.pt (not a universal checkpoint)")
         return "universal", folder
-    runs = sorted((n for n in names if _HF_CHECKPOINT.match(n) and os.path.isdir(os.path.join(src, n))),
+    runs = sorted((n for n in names if runs_allowed and _HF_CHECKPOINT.match(n) and len(n) < 40
+                   and os.path.isdir(os.path.join(src, n)) and not os.path.islink(os.path.join(src, n))),
                   key=lambda n: int(n.split("-", 1)[1]))
     if len(runs) == 1:
-        return resolve(os.path.join(src, runs[0]))
+        return resolve(os.path.join(src, runs[0]), runs_allowed=False)
     if runs:
         shown = ", ".join(runs[:6]) + (f", ... ({len(runs)} in all)" if len(runs) > 6 else "")
         raise CheckpointError(src, f"holds several Trainer checkpoints ({shown}): name the one to import")
