@@ -34,12 +34,13 @@ def _import(src: Path, out: Path, *extra: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int]) -> dict:
+def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False) -> dict:
     import zeroshard
 
     engine = zeroshard.initialize(model=make_model(seed=1), optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH,
+                                          "bf16": {"enabled": bf16}})
     # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
     client = engine.load_checkpoint(path)
     losses = []
@@ -70,6 +71,69 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
         assert got["global_steps"] == 3 + len(steps)
         for mine, theirs in zip(got["losses"], expected["losses_resumed"]):
             assert math.isclose(mine, theirs, rel_tol=1e-5), (engine_stage, got["losses"], expected["losses_resumed"])
+
+
+# variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
+VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
+            "universal": (".", False), "universal_stage3": (".", False)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant):
+    """Layouts real runs produce (tools/make_deepspeed_fixtures.py): the import resumes with the
+    losses DeepSpeed's own resume of the same checkpoint produced."""
+    src, bf16 = VARIANTS[variant]
+    expected = json.loads((FIXTURES / variant / "expected.json").read_text())
+    out = tmp_path / "imported"
+    _import(FIXTURES / variant / src, out)
+    _, manifest = open_checkpoint(str(out))
+    assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
+    steps = [3, 4, 5]
+    got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=steps, bf16=bf16,
+                    init_process_group=False)[0]
+    assert got["global_steps"] == 6
+    assert {k: got["client"][k] for k in expected["client_state"]} == expected["client_state"]
+    assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
+
+
+def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):
+    """DeepSpeedCPUAdam keeps `step` as a Python int; torch's AdamW needs a 0-d float tensor."""
+    raw = torch.load(FIXTURES / "offload" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     weights_only=False)
+    assert type(raw["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int  # the real form
+    imp = read_deepspeed(str(FIXTURES / "offload"))
+    assert all(s["step"] == {"dtype": "F32", "value": 3.0} for s in imp.scalar_state.values())
+
+
+def test_hf_trainer_folders_carry_trainer_state_into_client_state(tmp_path):
+    """checkpoint-N (a save_dir) and the run folder holding one checkpoint-N both import; the
+    Trainer's trainer_state.json rides along under client_state["hf_trainer_state"]."""
+    state = json.loads((FIXTURES / "hf" / "checkpoint-3" / "trainer_state.json").read_text())
+    for src in (FIXTURES / "hf", FIXTURES / "hf" / "checkpoint-3", FIXTURES / "hf" / "checkpoint-3" / "global_step3"):
+        out = tmp_path / src.name
+        _import(src, out)
+        manifest = open_checkpoint(str(out))[1]
+        assert manifest.client_state == {"hf_trainer_state": state} and state["global_step"] == 3
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_universal_checkpoint_equals_the_per_rank_save_it_came_from(stage):
+    """ds_to_universal of a stage-2/3 run (the same seeds and data as the stage2/3 fixture) reads
+    back to exactly the values of the per-rank save; by root (latest_universal) or by folder."""
+    per_rank = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    variant = FIXTURES / ("universal" if stage == 2 else "universal_stage3")
+    for src in (variant, variant / "global_step3_universal"):
+        uni = read_deepspeed(str(src))
+        assert list(uni.params) == list(per_rank.params) and uni.aliases == per_rank.aliases
+        for name, tensor in per_rank.params.items():
+            assert torch.equal(uni.params[name], tensor), name
+            assert sorted(uni.optimizer_state[name]) == ["exp_avg", "exp_avg_sq"]
+            for key, moment in per_rank.optimizer_state[name].items():
+                assert torch.equal(uni.optimizer_state[name][key], moment), (name, key)
+            assert uni.scalar_state[name] == per_rank.scalar_state[name] == {"step": {"dtype": "F32", "value": 3.0}}
+        assert uni.param_groups == per_rank.param_groups and uni.client_state == per_rank.client_state
+        assert (uni.global_steps, uni.zero_stage, uni.world_size) == (3, stage, 2)
+        assert torch.equal(uni.buffers["scale"], per_rank.buffers["scale"])
 
 
 def test_import_reshards_to_another_world_size(tmp_path):
@@ -129,6 +193,7 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_interop_is_toolkit_side():
     """The importers never import the training core, and torch only when a command runs."""
     code = ("import sys, zeroshard.cli, zeroshard.interop.deepspeed_ckpt, zeroshard.interop.write, "
+            "zeroshard.interop.deepspeed_common, zeroshard.interop.deepspeed_universal, "
             "zeroshard.interop.torch_pickle, zeroshard.interop.dcp_import, zeroshard.interop.dcp_export; "
             "print('\\n'.join(sys.modules))")
     modules = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
@@ -142,7 +207,8 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
     """With DeepSpeed installed, regenerate the fixtures with this DeepSpeed and check them too."""
     tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh"), "stage1", "stage2", "stage3"],
+                          capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for stage in (1, 2, 3):
@@ -155,14 +221,35 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.timeout(1200)
+def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
+    """With DeepSpeed installed, regenerate the variant fixtures (offload builds DeepSpeed's CPU
+    Adam op with g++ on first use) and check them as the committed ones are checked."""
+    tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh"), *VARIANTS], capture_output=True,
+                          text=True, timeout=1100, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for variant, (src, bf16) in VARIANTS.items():
+        expected = json.loads((tmp_path / "fresh" / variant / "expected.json").read_text())
+        assert expected["losses_resumed"] == pytest.approx(expected["losses_after"], rel=1e-6)
+        out = tmp_path / f"imported-{variant}"
+        _import(tmp_path / "fresh" / variant / src, out)
+        got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=[3, 4, 5], bf16=bf16,
+                        init_process_group=False)[0]
+        assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), variant
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "hf/checkpoint-3"])
 def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
     """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    theirs = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / f"stage{stage}"))
-    ours = read_deepspeed(str(FIXTURES / f"stage{stage}"))
+    src = FIXTURES / (stage if isinstance(stage, str) else f"stage{stage}")
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    ours = read_deepspeed(str(src))
     mine = {**ours.params, **ours.buffers, **{a: ours.params[t] for a, t in ours.aliases.items()}}
     assert sorted(mine) == sorted(theirs)
     for name, tensor in theirs.items():

@@ -62,10 +62,11 @@ def assert_refused(code: int, output: str, *needles: str) -> None:
         assert needle in output, output
 
 
-def ds_copy(tmp_path: Path, stage: int = 2, name: str = "ds") -> Path:
-    """A writable copy of a real DeepSpeed checkpoint root (latest + tag folder)."""
+def ds_copy(tmp_path: Path, stage: int | str = 2, name: str = "ds") -> Path:
+    """A writable copy of a real DeepSpeed checkpoint root (latest + tag folder); `stage` a
+    ZeRO stage or a variant fixture's folder name (offload, bf16, hf, universal)."""
     root = tmp_path / name
-    shutil.copytree(FIXTURES / f"stage{stage}", root)
+    shutil.copytree(FIXTURES / (stage if isinstance(stage, str) else f"stage{stage}"), root)
     return root
 
 
@@ -405,6 +406,174 @@ def test_deepspeed_pickle_naming_a_stand_in_module_function_runs_nothing(tmp_pat
     resave(root / TAG / MODEL, lambda m: m.__setitem__("client", {"x": Evil()}))
     _refused_import(root, tmp_path, MODEL, "refused")
     assert not side.exists()
+
+
+# ---- import deepspeed: the layouts of real runs (offload, bf16, HF Trainer, universal) -------
+def _evil(side: Path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {side}",))
+
+    return Evil()
+
+
+@pytest.mark.parametrize("step", [10**30, float("nan"), float("inf")], ids=["absurd", "nan", "inf"])
+def test_deepspeed_offload_int_step_out_of_range_is_one_line(tmp_path, step):
+    root = ds_copy(tmp_path, "offload")
+    for rank in (0, 1):
+        resave(root / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+               lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["state"][0].__setitem__("step", step))
+    _refused_import(root, tmp_path, "zero_pp_rank_0", "'step'")
+
+
+def test_deepspeed_bias_correction_false_is_refused(tmp_path):
+    root = ds_copy(tmp_path, "offload")
+    for rank in (0, 1):
+        resave(root / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+               lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].__setitem__(
+                   "bias_correction", False))
+    _refused_import(root, tmp_path, "bias_correction")
+
+
+BF16 = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+
+def test_deepspeed_bf16_missing_extra_or_mixed_rank_files_are_refused(tmp_path):
+    root = ds_copy(tmp_path, "bf16", "missing")
+    (root / TAG / BF16.format(1)).unlink()
+    _refused_import(root, tmp_path, "partitions")
+    root = ds_copy(tmp_path, "bf16", "extra")
+    shutil.copy(root / TAG / BF16.format(1), root / TAG / BF16.format(2))
+    _refused_import(root, tmp_path, "partitions")
+    root = ds_copy(tmp_path, "bf16", "mixed")  # a stage-2 save's files dropped into the same folder
+    shutil.copy(FIXTURES / "stage2" / TAG / OPTIM1, root / TAG / OPTIM1)
+    _refused_import(root, tmp_path, "bf16_zero_pp_rank_* and zero_pp_rank_*")
+
+
+def test_deepspeed_bf16_ranks_disagreeing_on_partition_count_are_refused(tmp_path):
+    root = ds_copy(tmp_path, "bf16")
+    resave(root / TAG / BF16.format(1), lambda o: o["optimizer_state_dict"].__setitem__("partition_count", [3]))
+    _refused_import(root, tmp_path, "3 partitions")
+
+
+@pytest.mark.parametrize("victim", [BF16.format(1), "zero/fc.weight/exp_avg.pt", "zero/optimizer_state.pt"],
+                         ids=["bf16", "universal-state", "universal-common"])
+def test_deepspeed_variant_pickle_with_a_callable_runs_nothing(tmp_path, victim):
+    variant, folder = ("bf16", TAG) if victim.startswith("bf16") else ("universal", "global_step3_universal")
+    root = ds_copy(tmp_path, variant)
+    side = tmp_path / "pwned"
+    torch.save({"param": _evil(side)}, root / folder / victim)
+    _refused_import(root, tmp_path, os.path.basename(victim), "refused")
+    assert not side.exists()
+
+
+def test_deepspeed_hf_run_folder_with_several_checkpoints_is_refused_listing_them(tmp_path):
+    run = ds_copy(tmp_path, "hf", "run")
+    shutil.copytree(run / "checkpoint-3", run / "checkpoint-10")
+    _refused_import(run, tmp_path, "checkpoint-3, checkpoint-10", "name the one")
+    assert cli("import", "deepspeed", str(run / "checkpoint-10"), str(tmp_path / "one"))[0] == 0
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"[" * 100_000, "sparse", "fifo", "link"],
+                         ids=["not-json", "not-object", "deep", "huge", "fifo", "link-out"])
+def test_deepspeed_hf_bad_trainer_state_is_one_line_naming_it(tmp_path, content):
+    run = ds_copy(tmp_path, "hf", "run")
+    path = run / "checkpoint-3" / "trainer_state.json"
+    path.unlink()
+    if content == "sparse":
+        with open(path, "wb") as f:
+            f.truncate(65 * 1024 * 1024)  # no bytes written: only the size is absurd
+    elif content == "fifo":
+        os.mkfifo(path)
+    elif content == "link":
+        (tmp_path / "elsewhere.json").write_text("{}")
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_bytes(content)
+    _refused_import(run, tmp_path, "trainer_state.json")
+
+
+def test_deepspeed_hf_checkpoint_folder_looping_back_is_not_followed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-1").symlink_to(run)  # a loop: must not recurse
+    _refused_import(run, tmp_path, "not a DeepSpeed checkpoint")
+    (run / "checkpoint-1").unlink()
+    (run / "checkpoint-1" / "checkpoint-2").mkdir(parents=True)  # looked into once, not twice
+    _refused_import(run, tmp_path, "checkpoint-1", "not a DeepSpeed checkpoint")
+
+
+def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
+    """The Trainer also leaves pickles in checkpoint-N (training_args.bin, rng_state_*.pth,
+    scheduler.pt): the import does not open them, so a callable in one runs nothing."""
+    run = ds_copy(tmp_path, "hf", "run")
+    side = tmp_path / "pwned"
+    for name in ("training_args.bin", "rng_state_0.pth", "scheduler.pt", "optimizer.pt"):
+        torch.save(_evil(side), run / "checkpoint-3" / name)
+    code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
+    assert code == 0, output
+    assert not side.exists()
+
+
+def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):
+    run = ds_copy(tmp_path, "hf", "run")
+    resave(run / "checkpoint-3" / TAG / MODEL, lambda m: m.__setitem__("hf_trainer_state", {"mine": 1}))
+    _refused_import(run, tmp_path, "hf_trainer_state")
+
+
+UNI = "global_step3_universal"
+
+
+def _uni_edit(root: Path, rel: str, value) -> None:
+    torch.save(value, root / UNI / rel)
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("short-fp32", ("fp32.pt", "elements")),
+    ("no-fp32", ("fp32.pt", "missing")),
+    ("odd-file", ("x y.pt", "not an optimizer state file")),
+    ("world", ("optimizer_state.pt", "partition_count")),
+    ("groups", ("optimizer_state.pt", "param groups")),
+    ("escaping-name", ("../../x",)),
+    ("absurd-shape", ("fc.weight", "elements")),
+    ("pointer", ("latest_universal", "not a universal checkpoint")),
+    ("deep", ("optimizer_state.pt", "nested")),
+])
+def test_deepspeed_universal_hostile_folders_are_one_line(tmp_path, case, needles):
+    root = ds_copy(tmp_path, "universal")
+    zero = root / UNI / "zero"
+    if case == "short-fp32":
+        _uni_edit(root, "zero/fc.weight/fp32.pt", {"param": torch.zeros(3)})
+    elif case == "no-fp32":
+        (zero / "fc.bias" / "fp32.pt").unlink()
+    elif case == "odd-file":
+        shutil.copy(zero / "fc.bias" / "step.pt", zero / "fc.bias" / "x y.pt")
+    elif case == "deep":
+        nested: list = []
+        for _ in range(3000):
+            nested = [nested]
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
+        try:
+            resave(zero / "optimizer_state.pt", lambda o: o["param_groups"][0].__setitem__("mine", nested))
+        finally:
+            sys.setrecursionlimit(limit)
+    elif case in ("world", "groups"):
+        resave(zero / "optimizer_state.pt", lambda o: o.__setitem__("partition_count", [10**9]) if case == "world"
+               else o["param_groups"].append(dict(o["param_groups"][0])))
+    else:
+        def edit(model):
+            shapes = model["param_shapes"][0]
+            if case == "escaping-name":
+                shapes["../../x"] = shapes.pop("fc.bias")
+            elif case == "absurd-shape":
+                shapes["fc.weight"] = [10**12, 10**12]
+        if case == "pointer":
+            (root / "latest_universal").write_text("elsewhere")
+            (root / "elsewhere").mkdir()
+        else:
+            resave(root / UNI / MODEL, edit)
+    _refused_import(root, tmp_path, *needles)
 
 
 # ---- import dcp: hostile metadata and files ---------------------------------------------------

@@ -1,19 +1,28 @@
-"""Generate the small real DeepSpeed checkpoints under tests/data/deepspeed (stages 1, 2, 3).
+"""Generate the small real DeepSpeed checkpoints under tests/data/deepspeed.
 
-Needs DeepSpeed (CPU build is enough):
+Needs DeepSpeed (CPU build is enough; the `offload` variant JIT-builds DeepSpeed's CPU Adam op
+with the local g++ on first use, a few minutes):
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu .venv/bin/pip install -c tools/constraints.txt --no-build-isolation deepspeed
-    DS_ACCELERATOR=cpu .venv/bin/python tools/make_deepspeed_fixtures.py [OUT_DIR]
+    DS_ACCELERATOR=cpu .venv/bin/python tools/make_deepspeed_fixtures.py [OUT_DIR [VARIANT ...]]
 
-For each stage, 2 gloo ranks train tests/interop_model.py's TinyTied with DeepSpeed for
-STEPS_BEFORE steps, save (tag global_step3, with a client state), train STEPS_AFTER more, and
-then a fresh DeepSpeed engine (different initial weights) loads the checkpoint and trains the
-same STEPS_AFTER steps: DeepSpeed's own resume. expected.json records all three loss
-sequences (mean over ranks), so tests can check that zeroshard resumed from an import
-continues exactly as DeepSpeed does, without DeepSpeed installed.
+For each variant (VARIANTS below), 2 gloo ranks train tests/interop_model.py's TinyTied with
+DeepSpeed for STEPS_BEFORE steps, save (tag global_step3), train STEPS_AFTER more; then a
+fresh DeepSpeed engine (different initial weights) loads the checkpoint and trains the same
+STEPS_AFTER steps: DeepSpeed's own resume. expected.json records all three loss sequences
+(mean over ranks), so tests can check that zeroshard resumed from an import continues as
+DeepSpeed does, without DeepSpeed installed.
+
+Variants: stage1/2/3 (a client torch AdamW); offload (stage 2, `offload_optimizer: cpu` and a
+config AdamW, so DeepSpeedCPUAdam with its int `step`); bf16 (stage 1, bf16 with fp32 gradient
+accumulation: DeepSpeed's BF16_Optimizer, `bf16_zero_pp_rank_*` files); bf16_stage2 (the ZeRO
+optimizer in bf16, also `bf16_` files); hf (stage 2 saved the way Hugging Face's Trainer does,
+into `checkpoint-3/` with `trainer_state.json` beside `global_step3/`); universal (stage 2
+converted by DeepSpeed's own ds_to_universal, resumed by DeepSpeed with `load_universal`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -27,16 +36,58 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from interop_model import MICRO_BATCH, batch, make_model, make_optimizer  # noqa: E402
+from interop_model import BETAS, LR, MICRO_BATCH, WEIGHT_DECAY, batch, make_model, make_optimizer  # noqa: E402
 
 WORLD, STEPS_BEFORE, STEPS_AFTER = 2, 3, 3
 TAG = f"global_step{STEPS_BEFORE}"
+HF_FOLDER = f"checkpoint-{STEPS_BEFORE}"
+UNIVERSAL_FOLDER = f"{TAG}_universal"
+VARIANTS = {
+    "stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
+    "offload": {"stage": 2, "offload": True},
+    "bf16": {"stage": 1, "bf16": True},
+    "bf16_stage2": {"stage": 2, "bf16": True},
+    "hf": {"stage": 2, "hf": True},
+    "universal": {"stage": 2, "universal": True},
+    "universal_stage3": {"stage": 3, "universal": True},
+}
 
 
-def ds_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+def ds_config(variant: dict, resume: bool = False) -> dict:
+    zero: dict = {"stage": variant["stage"]}
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if variant.get("offload"):  # DeepSpeed then builds DeepSpeedCPUAdam from the config's optimizer
+        zero["offload_optimizer"] = {"device": "cpu"}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": 1e-8,
+                                                           "weight_decay": WEIGHT_DECAY}}
+    if variant.get("bf16"):
+        config["bf16"] = {"enabled": True}
+        if variant["stage"] == 1:  # bf16 params + fp32 accumulation at stage 1 selects BF16_Optimizer
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if variant.get("universal") and resume:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def save_dir(out: str, variant: dict) -> str:
+    return os.path.join(out, HF_FOLDER) if variant.get("hf") else out
+
+
+def _engine(variant: dict, seed: int, resume: bool = False):
+    import deepspeed
+
+    model = make_model(seed)
+    if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
+        model.bfloat16()
+    if variant.get("offload"):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(variant, resume))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
+                                          config=ds_config(variant, resume))
+    return engine
 
 
 def _train(engine, steps: range) -> list[float]:
@@ -46,35 +97,38 @@ def _train(engine, steps: range) -> list[float]:
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
+        mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
     return losses
 
 
-def _rank(rank: int, port: int, stage: int, out: str) -> None:
+def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    model = make_model(0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
-                                      config=ds_config(stage))
-    before = _train(engine, range(STEPS_BEFORE))
-    engine.save_checkpoint(out, tag=TAG, client_state={"epoch": 1, "note": "fixture"})
-    after = _train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-
-    model = make_model(1)  # different weights: the load must overwrite every one
-    fresh, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
-                                     config=ds_config(stage))
-    _, client = fresh.load_checkpoint(out)
-    resumed = _train(fresh, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-    if rank == 0:
-        expected = {"stage": stage, "world_size": WORLD, "tag": TAG, "deepspeed_version": deepspeed.__version__,
-                    "torch_version": torch.__version__, "losses_before": before, "losses_after": after,
-                    "losses_resumed": resumed, "client_state": {k: client[k] for k in ("epoch", "note")}}
-        Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    variant = VARIANTS[name]
+    progress = Path(out, "progress.json")
+    if phase == "save":
+        engine = _engine(variant, 0)
+        before = _train(engine, range(STEPS_BEFORE))
+        client = None if variant.get("hf") else {"epoch": 1, "note": "fixture"}  # the Trainer passes none
+        engine.save_checkpoint(save_dir(out, variant), tag=TAG, client_state=client or {})
+        after = _train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+        if rank == 0:
+            progress.write_text(json.dumps({"losses_before": before, "losses_after": after}))
+    else:
+        fresh = _engine(variant, 1, resume=True)  # different weights: the load must overwrite every one
+        _, client = fresh.load_checkpoint(save_dir(out, variant))
+        resumed = _train(fresh, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+        if rank == 0:
+            expected = {"variant": name, "stage": variant["stage"], "world_size": WORLD, "tag": TAG,
+                        "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
+                        **json.loads(progress.read_text()), "losses_resumed": resumed,
+                        "client_state": {k: client[k] for k in ("epoch", "note") if k in (client or {})}}
+            Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -85,15 +139,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_trainer_state(path: Path, losses: list[float]) -> None:
+    """checkpoint-N/trainer_state.json as Hugging Face's Trainer writes it: with transformers'
+    own TrainerState.save_to_json where transformers is installed, else the same fields by hand."""
+    history = [{"epoch": round((i + 1) / 6, 4), "grad_norm": 1.0, "learning_rate": LR, "loss": round(loss, 4),
+                "step": i + 1} for i, loss in enumerate(losses)]
+    try:
+        from transformers import TrainerControl, TrainerState
+    except ImportError:
+        path.write_text(json.dumps(trainer_state(history), indent=2, sort_keys=True) + "\n")
+        return
+    TrainerState(epoch=round(STEPS_BEFORE / 6, 4), global_step=STEPS_BEFORE, max_steps=6, logging_steps=1,
+                 save_steps=STEPS_BEFORE, train_batch_size=MICRO_BATCH, num_train_epochs=1, log_history=history,
+                 stateful_callbacks=[TrainerControl(should_save=True)]).save_to_json(str(path))
+
+
+def trainer_state(history: list[dict]) -> dict:
+    """transformers 5.x's TrainerState fields, for machines without transformers."""
+    return {"best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
+            "epoch": round(STEPS_BEFORE / 6, 4), "eval_steps": 500, "global_step": STEPS_BEFORE,
+            "is_hyper_param_search": False, "is_local_process_zero": True, "is_world_process_zero": True,
+            "log_history": history, "logging_steps": 1, "max_steps": 6, "num_input_tokens_seen": 0,
+            "num_train_epochs": 1, "save_steps": STEPS_BEFORE,
+            "stateful_callbacks": {"TrainerControl": {"args": {"should_epoch_stop": False, "should_evaluate": False,
+                                                               "should_log": False, "should_save": True,
+                                                               "should_training_stop": False},
+                                                      "attributes": {}}},
+            "total_flos": 0, "train_batch_size": MICRO_BATCH, "trial_name": None, "trial_params": None}
+
+
+def to_universal(out: Path) -> None:
+    """DeepSpeed's own converter (deepspeed.checkpoint.ds_to_universal), as its CLI runs it."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(out / TAG), output_folder=str(out / UNIVERSAL_FOLDER),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)
+    ds_to_universal.main(args)  # writes out/latest_universal naming UNIVERSAL_FOLDER
+
+
+def make(root: Path, name: str) -> None:
+    out = root / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    mp.spawn(_rank, args=(_free_port(), name, "save", str(out)), nprocs=WORLD)
+    if VARIANTS[name].get("hf"):
+        progress = json.loads((out / "progress.json").read_text())
+        write_trainer_state(out / HF_FOLDER / "trainer_state.json", progress["losses_before"])
+    if VARIANTS[name].get("universal"):
+        to_universal(out)
+    mp.spawn(_rank, args=(_free_port(), name, "resume", str(out)), nprocs=WORLD)
+    (out / "progress.json").unlink()
+    if VARIANTS[name].get("universal"):  # keep only what ds_to_universal wrote
+        shutil.rmtree(out / TAG)
+        (out / "latest").unlink()
+    for folder in (out, out / HF_FOLDER):  # DeepSpeed copies its own scripts beside saves
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (folder / script).unlink(missing_ok=True)
+    print(out, json.loads((out / "expected.json").read_text()))
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "tests" / "data" / "deepspeed")
-    for stage in (1, 2, 3):
-        out = root / f"stage{stage}"
-        shutil.rmtree(out, ignore_errors=True)
-        mp.spawn(_rank, args=(_free_port(), stage, str(out)), nprocs=WORLD)
-        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its own script beside saves
-            (out / script).unlink(missing_ok=True)
-        print(out, json.loads((out / "expected.json").read_text()))
+    for name in sys.argv[2:] or list(VARIANTS):
+        try:
+            make(root, name)
+        except mp.ProcessExitedException as exc:
+            # seen rarely on a loaded 2-core machine: a rank aborts in native teardown ("terminate
+            # called without an active exception") after its work is done; a Python error is not retried
+            print(f"{name}: a rank died ({exc}); making it again", file=sys.stderr)
+            make(root, name)
 
 
 if __name__ == "__main__":

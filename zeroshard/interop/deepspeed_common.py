@@ -1,0 +1,172 @@
+"""What every DeepSpeed layout shares: the model-states file (param_shapes, buffers, ties,
+counters, config, client state), the param groups, checked fields, and HF Trainer's
+trainer_state.json. Used by deepspeed_ckpt.py (per-rank ZeRO files) and
+deepspeed_universal.py (ds_to_universal folders)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from zeroshard.errors import CheckpointError
+from zeroshard.format.training_state import scalar_json, to_json_value
+from zeroshard.interop.imported import Imported, optimizer_class_of
+from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth, read_small_file
+
+# Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
+DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+           "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+           "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+           "ds_version", "checkpoint_parallel_dimensions", "moe_layers", "autoep_layers", "ds_autoep_layers",
+           "universal_checkpoint_info"}
+MAX_DIMS = 64
+TRAINER_STATE = "trainer_state.json"  # what transformers' Trainer writes beside global_stepN
+TRAINER_STATE_KEY = "hf_trainer_state"  # where it lands in the imported client_state
+MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # log_history of a long run; far above any real one
+
+
+def int_field(where: str, value: Any, what: str, default: int = 0) -> int:
+    """An integer field of a DeepSpeed file (a 0-d tensor or int); CheckpointError naming `where` otherwise."""
+    if value is None:
+        return default
+    if hasattr(value, "dim") and value.dim() == 0 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(where, f"{what} must be an integer, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
+
+
+def optimizer_scalar(where: str, value: Any, key: str) -> dict[str, Any]:
+    """A scalar optimizer state in the form torch's optimizers keep it: a 0-d float32 tensor.
+    DeepSpeedCPUAdam (offload_optimizer) keeps Adam's `step` as a Python int; written as an int,
+    torch's AdamW refuses it at the first step() ("state_steps ... singleton tensors")."""
+    if hasattr(value, "dim") and value.dim() == 0 and not value.is_floating_point() and value.dtype.is_signed:
+        value = value.item()  # an integer tensor step: torch's optimizers make theirs float32
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or abs(value) > 2**53:
+            raise CheckpointError(where, f"optimizer state {key!r} is {value!r}, not a usable scalar")
+        return {"dtype": "F32", "value": float(value)}
+    return scalar_json(value, f"optimizer state {key!r}")
+
+
+def check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[int, ...]]]:
+    """param_shapes: a list of {name: shape}, every dimension a non-negative integer; bounded
+    here so no absurd or negative size reaches an allocation."""
+    if not isinstance(groups_shapes, (list, tuple)):
+        raise CheckpointError(where, f"param_shapes must be a list of groups, got {type(groups_shapes).__name__}")
+    checked = []
+    for g, shapes in enumerate(groups_shapes):
+        if not isinstance(shapes, dict):
+            raise CheckpointError(where, f"param_shapes[{g}] must be a dict of name -> shape")
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str):
+                raise CheckpointError(where, f"param_shapes[{g}] has a non-string name {name!r}")
+            dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+            if dims is None or len(dims) > MAX_DIMS or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                                           for d in dims):
+                raise CheckpointError(where, f"param_shapes[{g}][{name!r}]: {str(shape)[:60]} is not a shape "
+                                             "(non-negative integer dimensions)")
+            group[name] = dims
+        checked.append(group)
+    return checked
+
+
+def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str, tuple[int, ...]]], dict]:
+    """(model-states dict, checked param_shapes, ds_config) of the file at `model_path`."""
+    if not os.path.isfile(model_path):
+        raise CheckpointError(model_path, "missing: the model-states file of this checkpoint")
+    model = load_pt(model_path, folder)
+    if not isinstance(model, dict) or "param_shapes" not in model or "buffer_names" not in model:
+        raise CheckpointError(model_path, "not a DeepSpeed model-states file (no param_shapes/buffer_names)")
+    if nesting_depth(model) > MAX_NESTING:
+        raise CheckpointError(model_path, f"nested deeper than {MAX_NESTING} levels (client_state?)")
+    groups_shapes = check_param_shapes(model_path, model["param_shapes"])
+    ds_config = model.get("ds_config") or {}
+    if not isinstance(ds_config, dict):
+        raise CheckpointError(model_path, f"ds_config must be a dict, got {type(ds_config).__name__}")
+    return model, groups_shapes, ds_config
+
+
+def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, groups_shapes: list[dict],
+                    ds_config: dict, param_groups: Any, loss_scaler: Any) -> None:
+    """Everything but the tensors of the optimizer files: hyperparameters (`param_groups`, the
+    optimizer's saved list), buffers, ties, counters, dtypes, loss scale, scheduler, client state."""
+    hyper = []
+    for g, shapes in enumerate(groups_shapes):
+        saved = dict((param_groups or [{}] * len(groups_shapes))[g])
+        saved.pop("params", None)
+        group = {k: to_json_value(v, f"param group option {k!r}") for k, v in saved.items()}
+        if group.get("bias_correction") is False:  # DeepSpeed's (CPU/Fused)Adam option; torch's always corrects
+            raise CheckpointError(folder, f"param group {g} has bias_correction false, which torch's Adam cannot "
+                                          "reproduce")
+        group["params"] = list(shapes)
+        hyper.append(group)
+    imp.param_groups = hyper
+    declared = str((ds_config.get("optimizer") or {}).get("type", ""))
+    if declared.lower() == "adam" and (ds_config["optimizer"].get("params") or {}).get("adam_w_mode", True):
+        declared = "AdamW"  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+    imp.optimizer_class = optimizer_class_of(hyper, declared)
+
+    module = model.get("module") or {}
+    imp.buffers = {n: module[n].detach().clone() for n in model["buffer_names"] if n in module}
+    imp.aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items() if v in imp.params}
+    known = set(imp.params) | set(imp.buffers) | set(imp.aliases) | set(model.get("frozen_param_shapes") or {})
+    untied = [k for k in module if k not in known]
+    if untied:
+        imp.notes.append(f"not recorded as tied by DeepSpeed, left out: {', '.join(untied)}")
+    if model.get("frozen_param_shapes"):
+        imp.notes.append("frozen parameters were left out: " + ", ".join(model["frozen_param_shapes"]))
+
+    imp.global_steps = int_field(model_path, model.get("global_steps"), "global_steps")
+    imp.skipped_steps = int_field(model_path, model.get("skipped_steps"), "skipped_steps")
+    accumulation = int_field(model_path, ds_config.get("gradient_accumulation_steps"),
+                             "ds_config.gradient_accumulation_steps", 1)
+    imp.micro_steps = imp.global_steps * accumulation
+    if (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
+        imp.compute_dtype = "BF16"
+    elif (ds_config.get("fp16") or {}).get("enabled"):
+        imp.compute_dtype = "F16"
+    if loss_scaler is not None and getattr(loss_scaler, "cur_scale", None) is not None:
+        imp.loss_scale = {"scale": float(loss_scaler.cur_scale), "good_steps": 0,
+                          "hysteresis_left": int(getattr(loss_scaler, "cur_hysteresis", 0) or 0)}
+    try:
+        imp.lr_scheduler = to_json_value(model.get("lr_scheduler"), "lr_scheduler")
+    except TypeError:
+        imp.notes.append("the lr_scheduler state is not plain data and was left out")
+    client = {}
+    for key, value in model.items():
+        if key in DS_KEYS:
+            continue
+        try:
+            client[str(key)] = to_json_value(value, f"client_state[{key!r}]")
+        except TypeError as exc:
+            imp.notes.append(f"{exc}: left out")
+    imp.client_state = client
+
+
+def carry_trainer_state(imp: Imported, folder: str) -> None:
+    """Hugging Face Trainer's checkpoint-N/trainer_state.json (beside global_stepN) into
+    client_state[TRAINER_STATE_KEY]: bounded in size and nesting, plain JSON, never executed."""
+    path = os.path.join(folder, TRAINER_STATE)
+    if not os.path.lexists(path):
+        return
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointError(path, f"is a link leading out of the checkpoint folder (to {real})")
+    raw = read_small_file(path, MAX_TRAINER_STATE_BYTES)
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(path, f"is not a JSON document ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"must hold a JSON object, got {type(state).__name__}")
+    if nesting_depth(state) > MAX_NESTING:
+        raise CheckpointError(path, f"nested deeper than {MAX_NESTING} levels")
+    if not isinstance(imp.client_state, dict):
+        imp.client_state = {}
+    if TRAINER_STATE_KEY in imp.client_state:
+        raise CheckpointError(path, f"the DeepSpeed client state already has a {TRAINER_STATE_KEY!r} key")
+    imp.client_state[TRAINER_STATE_KEY] = state

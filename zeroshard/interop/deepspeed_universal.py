@@ -1,0 +1,129 @@
+"""Reading a DeepSpeed Universal Checkpoint folder (deepspeed.checkpoint.ds_to_universal's output).
+
+Layout (DeepSpeed 0.19.8; deepspeed/checkpoint/universal_checkpoint.py is the reference reader):
+  ROOT/latest_universal               names the folder (ds_to_universal writes it beside OUT)
+  UNI/mp_rank_00_model_states.pt      copied from the source (stage 3: zero_pp_rank_R_...): param_shapes,
+                                      buffers, ties, counters, ds_config, client state
+  UNI/zero/optimizer_state.pt         the optimizer file's plain fields: param_groups, zero_stage,
+                                      partition_count, loss_scaler, ...
+  UNI/zero/<param>/fp32.pt            {"param": the full fp32 tensor, "cat_dim": ...}
+  UNI/zero/<param>/<state>.pt         exp_avg, exp_avg_sq in the same form; step.pt a 0-d tensor
+Stage 3's conversion differs: the state files hold bare tensors, there is no step.pt, and
+optimizer_state.pt is rank 0's whole optimizer file; its state[first sub-group]["step"] is the
+step of every parameter (as DeepSpeed's own stage-3 universal load takes it).
+Tensors are whole (no rank slices). Parameters are param_shapes' names; module entries without
+optimizer state (tied weights, buffers) also get a zero/<name>/fp32.pt, which is not read:
+buffers and ties come from the model-states file as in a per-rank save.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+from zeroshard.errors import CheckpointError
+from zeroshard.interop.deepspeed_common import fill_from_model, int_field, load_model_states, optimizer_scalar
+from zeroshard.interop.imported import Imported
+from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth
+
+_STATE_FILE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]{0,99})\.pt$")
+MAX_WORLD = 1 << 16  # the output's default rank count comes from partition_count: bounded, not trusted
+MAX_STATES = 32  # state files per parameter (Adam has 3)
+
+
+def is_universal_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "zero", "optimizer_state.pt"))
+
+
+def _model_path(folder: str) -> str:
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.lexists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise CheckpointError(folder, "missing: mp_rank_00_model_states.pt (the model-states file ds_to_universal "
+                                  "copies)")
+
+
+def _tensor_of(path: str, value: Any, numel: int) -> Any:
+    """The whole tensor of a universal state file ({"param": tensor, ...} or a bare tensor)."""
+    import torch
+
+    tensor = value.get("param") if isinstance(value, dict) else value
+    if not torch.is_tensor(tensor):
+        raise CheckpointError(path, f"holds {type(tensor).__name__}, not a tensor under 'param'")
+    if tensor.numel() != numel:
+        raise CheckpointError(path, f"holds {tensor.numel()} elements, param_shapes say {numel}")
+    return tensor
+
+
+def read_universal(folder: str) -> Imported:
+    zero = os.path.join(folder, "zero")
+    common_path = os.path.join(zero, "optimizer_state.pt")
+    common = load_pt(common_path, folder)
+    if not isinstance(common, dict) or not isinstance(common.get("param_groups"), list):
+        raise CheckpointError(common_path, "not a universal optimizer_state.pt (no param_groups list)")
+    if nesting_depth(common) > MAX_NESTING:
+        raise CheckpointError(common_path, f"nested deeper than {MAX_NESTING} levels")
+    stage = int_field(common_path, common.get("zero_stage"), "zero_stage", 1)
+    if stage not in (1, 2, 3):
+        raise CheckpointError(common_path, f"unsupported ZeRO stage {stage} (1, 2 or 3 expected)")
+    parts = common.get("partition_count")
+    parts = max(parts) if isinstance(parts, list) and parts else parts
+    world = int_field(common_path, parts, "partition_count", 1)
+    if not 1 <= world <= MAX_WORLD:
+        raise CheckpointError(common_path, f"partition_count {world} is not between 1 and {MAX_WORLD}")
+
+    model_path = _model_path(folder)
+    model, groups_shapes, ds_config = load_model_states(model_path, folder)
+    if len(common["param_groups"]) != len(groups_shapes):
+        raise CheckpointError(common_path, f"{len(common['param_groups'])} param groups, the model-states file's "
+                                           f"param_shapes have {len(groups_shapes)}")
+    imp = Imported(source=f"deepspeed-universal:{os.path.abspath(folder)}", params={}, zero_stage=stage,
+                   world_size=world)
+    shared = _shared_scalars(common_path, common)
+    for shapes in groups_shapes:
+        for name, shape in shapes.items():
+            _read_param(imp, folder, zero, name, shape)
+            imp.scalar_state[name] = {**shared, **imp.scalar_state[name]}  # a per-parameter step.pt wins
+    fill_from_model(imp, folder, model_path, model, groups_shapes, ds_config, common["param_groups"],
+                    common.get("loss_scaler"))
+    return imp
+
+
+def _shared_scalars(path: str, common: dict) -> dict[str, Any]:
+    """Stage 3: the scalar states (step) of the first sub-group in optimizer_state.pt."""
+    state = (common.get("optimizer_state_dict") or {}).get("state") or {}
+    if not isinstance(state, dict) or not state:
+        return {}
+    first = state[min(state)]
+    return {k: optimizer_scalar(path, v, k) for k, v in first.items() if getattr(v, "dim", lambda: 0)() == 0}
+
+
+def _read_param(imp: Imported, folder: str, zero: str, name: str, shape: tuple[int, ...]) -> None:
+    """One parameter's fp32 value and optimizer states from zero/<name>/."""
+    where = os.path.join(zero, name)
+    if not name or name in (".", "..") or os.sep in name or "\0" in name:
+        raise CheckpointError(where, f"parameter name {name!r} cannot be a folder of this checkpoint")
+    if not os.path.isdir(where) or not os.path.isfile(os.path.join(where, "fp32.pt")):
+        raise CheckpointError(where, "missing: the parameter's fp32.pt")
+    files = sorted(os.listdir(where))
+    if len(files) > MAX_STATES:
+        raise CheckpointError(where, f"holds {len(files)} files, more than the {MAX_STATES} optimizer states read")
+    numel = math.prod(shape)
+    states, scalars = {}, {}
+    for file in files:
+        path = os.path.join(where, file)
+        m = _STATE_FILE.match(file)
+        if not m:
+            raise CheckpointError(path, "is not an optimizer state file (<state>.pt) of a universal checkpoint")
+        value = load_pt(path, folder)
+        key = m.group(1)
+        if key == "fp32":
+            imp.params[name] = _tensor_of(path, value, numel).float().reshape(shape).clone()
+        elif isinstance(value, dict) or getattr(value, "dim", lambda: 0)() >= 1:
+            states[key] = _tensor_of(path, value, numel).reshape(-1).clone()
+        else:
+            scalars[key] = optimizer_scalar(path, value, key)
+    imp.optimizer_state[name] = states
+    imp.scalar_state[name] = scalars
