@@ -43,6 +43,16 @@ def _boto_errors() -> tuple[type[BaseException], ...]:
         return ()
 
 
+S3_EXTRA_HINT = "s3:// paths need the s3 extra: pip install 'zeroshard[s3]'"
+
+
+def _missing_backend(url: str, exc: ImportError) -> str:
+    """What to install when fsspec cannot load the filesystem `url` needs."""
+    if url.startswith(("s3://", "s3a://")):
+        return S3_EXTRA_HINT
+    return f"no filesystem for this URL ({describe_error(exc)})"
+
+
 def describe_error(exc: BaseException) -> str:
     """One line saying what went wrong, for a StorageError."""
     if isinstance(exc, FileNotFoundError):
@@ -121,7 +131,10 @@ class Location:
             import fsspec
 
             with storage_errors(url):
-                self._fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
+                try:
+                    self._fs, self.path = fsspec.core.url_to_fs(self.url, **fs_options)
+                except ImportError as exc:  # s3fs (and other backends) are optional extras
+                    raise StorageError(url, _missing_backend(self.url, exc)) from exc
             self.local = "file" in _protocols(self._fs)
         self.read_budget = BlockBudget(self.remote_io.read_ahead)  # read-ahead held, across this folder's readers
 
