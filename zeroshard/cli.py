@@ -164,14 +164,62 @@ def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, worker
 @main.command()
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--tensors", "tensors", is_flag=False, flag_value="*", default=None, metavar="[GLOB]",
+              help="List the tensors (name, role, dtype, shape, layout), those matching GLOB if given.")
 @_common
-def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> None:
+def inspect(ckpt: str, as_json: bool, tensors: str | None, storage_options: dict, quiet: bool) -> None:
     """Summarize checkpoint CKPT from its manifest: world size, stage, step, parameters,
     bytes per rank, dtypes, optimizer. Reads no tensor data."""
     from zeroshard.toolkit.inspect import format_summary, inspect_checkpoint
 
     info = inspect_checkpoint(ckpt, storage_options=storage_options)
-    click.echo(json.dumps(info, indent=2) if as_json else format_summary(info))
+    if tensors is not None:
+        from zeroshard.toolkit.listing import format_tensors, list_tensors
+
+        info["tensor_list"] = list_tensors(info["location"], tensors, storage_options=storage_options)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(format_summary(info))
+    if tensors is not None:
+        click.echo(format_tensors(info["tensor_list"]))
+
+
+@main.command("ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_common
+def ls(root: str, as_json: bool, storage_options: dict, quiet: bool) -> None:
+    """List the checkpoints under ROOT: tag, step, world size, stage, size, which one `latest`
+    names (*), and saves that never committed or staging folders writers left. Reads manifests only."""
+    from zeroshard.toolkit.listing import format_listing, list_checkpoints
+
+    info = list_checkpoints(root, storage_options=storage_options)
+    click.echo(json.dumps(info, indent=2) if as_json else format_listing(info))
+
+
+@main.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (of B's values).")
+@click.option("--all", "every_role", is_flag=True, help="Compare optimizer state too (default: the weights).")
+@click.option("--include", multiple=True, metavar="GLOB", help="Only tensors matching GLOB (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("-v", "--verbose", is_flag=True, help="List every tensor, not only those that differ.")
+@_common
+def diff_command(a: str, b: str, atol: float, rtol: float, every_role: bool, include: tuple[str, ...],
+                 as_json: bool, verbose: bool, storage_options: dict, quiet: bool) -> None:
+    """Compare checkpoints A and B tensor by tensor: max absolute and relative difference, at any
+    world sizes, streaming. Exit 0 when every tensor is within |a-b| <= atol + rtol*|b| and both
+    hold the same tensors; exit 3 when they differ."""
+    from zeroshard.toolkit.diff import diff, format_report
+
+    report = diff(a, b, atol=atol, rtol=rtol, roles=None if every_role else ("param", "buffer"),
+                  include=list(include) or None, storage_options=storage_options)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report, verbose))
+    if not report.equal:
+        sys.exit(EXIT_VERIFY_FAILED)
 
 
 @main.command()

@@ -1,0 +1,136 @@
+"""The commands and API a new user reaches for first (issue 19): inspect --tensors, ls, diff,
+zeroshard.load_state_dict / open_tensors, and an s3:// path without the s3 extra."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import zeroshard
+from zeroshard.cli import main
+
+from checkpoints import training_state, write_checkpoint
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def run_root(tmp_path):
+    """A root with two committed checkpoints (world 2 and 3), `latest`, and two leftovers."""
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "run" / "step-5"), specs, data, 2, aliases={"lm_head.weight": "embed.weight"})
+    write_checkpoint(str(tmp_path / "run" / "step-7"), specs, data, 3)
+    (tmp_path / "run" / "latest").write_text("step-7\n")
+    (tmp_path / "run" / "step-9").mkdir()
+    (tmp_path / "run" / "step-9" / "rank-00000-of-00002.safetensors").write_bytes(b"x")
+    (tmp_path / "run" / ".zeroshard-tmp-dead").mkdir()
+    return tmp_path / "run", data
+
+
+def test_inspect_tensors_lists_names_roles_dtypes_shapes_layouts(run_root):
+    root, data = run_root
+    code, out, _ = cli("inspect", str(root), "--tensors")
+    assert code == 0
+    assert re.search(r"^block\.0\.attn\.weight +param +BF16 +13x7 +flat$", out, re.M)
+    assert "local (rank 2)" in out  # the RNG items of world 3
+    code, out, _ = cli("inspect", str(root / "step-5"), "--tensors", "optimizer/exp_avg/*", "--json")
+    rows = json.loads(out)["tensor_list"]
+    assert {r["name"] for r in rows} == {k for k in data if k.startswith("optimizer/exp_avg/")}
+    assert all(r["param"] and r["state"] == "exp_avg" for r in rows)
+    code, out, _ = cli("inspect", str(root / "step-5"), "--tensors", "lm_head*", "--json")
+    (tied,) = json.loads(out)["tensor_list"]
+    assert tied["layout"] == "tied to embed.weight" and tied["shape"] == [37, 11]
+    code, out, _ = cli("inspect", str(root), "--json")
+    assert "tensor_list" not in json.loads(out)  # the summary stays as it was without --tensors
+
+
+def test_ls_shows_steps_latest_and_what_never_committed(run_root):
+    root, _ = run_root
+    code, out, _ = cli("ls", str(root), "--json")
+    assert code == 0
+    info = {e["name"]: e for e in json.loads(out)["checkpoints"]}
+    assert info["step-7"]["latest"] and not info["step-5"]["latest"]
+    assert (info["step-5"]["world_size"], info["step-7"]["world_size"]) == (2, 3)
+    assert info["step-5"]["step"] == 7 and info["step-5"]["bytes"] > 0
+    assert info["step-9"]["status"] == "incomplete"
+    assert info[".zeroshard-tmp-dead"]["status"] == "orphaned"
+    code, out, _ = cli("ls", str(root))
+    assert "* step-7" in out and "INCOMPLETE" in out and "ORPHANED" in out
+    (root / "latest").write_text("step-9\n")  # `latest` naming a save that never committed
+    info = json.loads(cli("ls", str(root), "--json")[1])
+    assert [e["status"] for e in info["checkpoints"] if e["latest"]] == ["incomplete", "missing"]
+    code, _, err = cli("ls", str(root / "nope"))
+    assert code == 1 and "no such folder" in err
+
+
+def test_diff_compares_across_world_sizes_and_exits_by_tolerance(run_root, tmp_path):
+    root, data = run_root
+    code, out, _ = cli("diff", str(root / "step-5"), str(root / "step-7"), "--all")  # world 2 against world 3
+    assert code == 0 and "equal" in out
+    specs, _ = training_state()
+    changed = dict(data, **{"embed.weight": data["embed.weight"] + 1e-3})
+    write_checkpoint(str(tmp_path / "moved"), specs, changed, 4)
+    code, out, _ = cli("diff", str(root / "step-5"), str(tmp_path / "moved"))
+    assert code == 3 and "DIFF  embed.weight" in out and "1 differ" in out
+    report = json.loads(cli("diff", str(root / "step-5"), str(tmp_path / "moved"), "--json")[1])
+    (embed,) = [t for t in report["tensors"] if t["name"] == "embed.weight"]
+    assert embed["max_abs"] == pytest.approx(1e-3, rel=1e-3) and not embed["close"]
+    assert cli("diff", str(root / "step-5"), str(tmp_path / "moved"), "--atol", "2e-3")[0] == 0
+    write_checkpoint(str(tmp_path / "fewer"), [s for s in specs if s.name != "block.0.tiny"], data, 2)
+    code, out, _ = cli("diff", str(root / "step-5"), str(tmp_path / "fewer"))
+    assert code == 3 and "ONLY IN A  block.0.tiny" in out
+
+
+def test_load_state_dict_needs_no_process_group(run_root):
+    root, data = run_root
+    assert not torch.distributed.is_initialized()
+    state = zeroshard.load_state_dict(str(root))  # follows latest: the world-3 checkpoint
+    params = {k for k in data if not k.startswith("optimizer/")}
+    assert set(state) == params
+    assert all(state[k].dtype == data[k].dtype and state[k].equal(data[k]) for k in state)
+    tied = zeroshard.load_state_dict(str(root / "step-5"), names="*.weight")
+    assert tied["lm_head.weight"].equal(data["embed.weight"])
+    cast = zeroshard.load_state_dict(str(root), names=["block.0.*"], exclude="*.tiny", dtype="bf16",
+                                     strip_prefix="block.0.")
+    assert set(cast) == {"attn.weight", "attn.bias", "norm.scale"}
+    assert all(t.dtype == torch.bfloat16 for t in cast.values())
+    with zeroshard.open_tensors(str(root), roles=None) as ckpt:
+        assert ckpt["optimizer/exp_avg/head.weight"].equal(data["optimizer/exp_avg/head.weight"])
+        assert ckpt.info("head.weight").shape == (3, 4, 5)
+        with pytest.raises(zeroshard.CheckpointError, match="no tensor 'nope'"):
+            ckpt["nope"]
+    with pytest.raises(zeroshard.CheckpointError, match="no tensor matches"):
+        zeroshard.load_state_dict(str(root), names="nope*")
+    with pytest.raises(zeroshard.ZeroshardError, match="dtype"):
+        zeroshard.load_state_dict(str(root), dtype="int3")
+
+
+@pytest.mark.s3
+def test_load_state_dict_and_ls_on_s3(run_root, s3_bucket):
+    root, data = run_root
+    url = f"{s3_bucket}/run"
+    assert cli("reshard", str(root / "step-7"), "--to", "2", "-o", f"{url}/step-7", "-q")[0] == 0
+    state = zeroshard.load_state_dict(url + "/step-7", names="embed.weight")
+    assert state["embed.weight"].equal(data["embed.weight"])
+    code, out, _ = cli("ls", url, "--json")
+    assert code == 0 and [e["world_size"] for e in json.loads(out)["checkpoints"]] == [2]
+
+
+def test_an_s3_path_without_s3fs_says_to_install_the_extra():
+    code = ("import sys; sys.modules['s3fs'] = None\n"  # as if s3fs were not installed
+            "import zeroshard, zeroshard.cli, zeroshard.toolkit.consolidate\n"
+            "from click.testing import CliRunner\n"
+            "r = CliRunner().invoke(zeroshard.cli.main, ['inspect', 's3://bucket/run'])\n"
+            "print(r.exit_code); print(r.stderr.strip())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "1", "zeroshard: error: s3://bucket/run: s3:// paths need the s3 extra: pip install 'zeroshard[s3]'"]
