@@ -4,6 +4,7 @@ zeroshard.load_state_dict / open_tensors, and an s3:// path without the s3 extra
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -134,3 +135,41 @@ def test_an_s3_path_without_s3fs_says_to_install_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == [
         "1", "zeroshard: error: s3://bucket/run: s3:// paths need the s3 extra: pip install 'zeroshard[s3]'"]
+
+
+def _save_mid_window(rank: int, world_size: int, root: str) -> dict:
+    import zeroshard.deepspeed as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2})
+
+    def micro_step(e):
+        e.backward(e(torch.randn(3, 4)).pow(2).mean())
+        e.step()
+
+    out = {}
+    micro_step(engine)  # one micro-batch of two: gradients accumulated, no update yet
+    try:
+        engine.save_checkpoint(f"{root}/native")
+    except zeroshard.EngineUsageError as exc:
+        out["refused"] = str(exc)
+    out["nothing_written"] = not os.path.exists(f"{root}/native")
+    micro_step(engine)  # the window completes: saving is right now
+    out["saved"] = os.path.basename(engine.save_checkpoint(f"{root}/native"))
+    ds, _, _, _ = deepspeed.initialize(model=torch.nn.Linear(4, 2), config={
+        "train_batch_size": 4 * world_size, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    micro_step(ds)
+    out["deepspeed_saved"] = ds.save_checkpoint(f"{root}/ds")  # DeepSpeed's behaviour: saved, no error
+    return out
+
+
+def test_a_save_between_accumulation_boundaries_is_refused(tmp_path):
+    from distributed import run_ranks
+
+    results = run_ranks(_save_mid_window, 2, timeout=180, init_process_group=False, root=str(tmp_path))
+    for out in results:
+        assert out["refused"].startswith("save_checkpoint at micro-step 1 of 2 of global step 1:")
+        assert out["nothing_written"] and out["saved"] == "step-00000001" and out["deepspeed_saved"] is True
