@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,35 @@ def test_a_save_between_accumulation_boundaries_is_refused(tmp_path):
     for out in results:
         assert out["refused"].startswith("save_checkpoint at micro-step 1 of 2 of global step 1:")
         assert out["nothing_written"] and out["saved"] == "step-00000001" and out["deepspeed_saved"] is True
+
+
+def test_errors_say_what_to_do_next(run_root, tmp_path):
+    root, _ = run_root
+    data = Path(__file__).parent / "data" / "deepspeed" / "stage2"
+    for args in (("inspect", str(data)), ("consolidate", str(data / "global_step3"), str(tmp_path / "o.safetensors"))):
+        code, _, err = cli(*args)
+        assert code == 1 and len(err.strip().splitlines()) == 1
+        assert "zeroshard import deepspeed" in err, err
+    dcp = tmp_path / "fsdp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"\x80\x04.")
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    code, _, err = cli("inspect", str(dcp))
+    assert code == 1 and f"zeroshard import dcp {dcp} OUT" in err
+    torch.save({"w": torch.ones(3)}, tmp_path / "pytorch_model.bin")
+    code, _, err = cli("shard", str(tmp_path / "pytorch_model.bin"), str(tmp_path / "x"), "--world", "2")
+    assert code == 1 and "pickle (torch.save) file, which zeroshard never reads" in err
+    code, _, err = cli("inspect", str(root / "step-9"))  # a save that never committed: no hint invented
+    assert code == 1 and "import" not in err
+
+
+def test_mistakes_are_caught_before_anything_is_written(run_root, tmp_path):
+    root, _ = run_root
+    code, _, err = cli("consolidate", str(root), str(tmp_path / "model.bin"))
+    assert code == 1 and "writes safetensors, not bin" in err and not (tmp_path / "model.bin").exists()
+    code, _, err = cli("reshard", str(root), "--to", "1000", "-o", str(tmp_path / "wide"))  # largest tensor: 407
+    assert code == 1 and "593 would hold no element of any tensor" in err and not (tmp_path / "wide").exists()
+    code, out, _ = cli("consolidate", str(root), str(tmp_path / "model.safetensors"), "-q")
+    assert code == 0 and out.strip().endswith(f"from {root}/step-7 (step 7, world 3)")
+    code, _, err = cli("clean", str(tmp_path / "typo"))
+    assert code == 1 and "typo: no such folder" in err

@@ -28,6 +28,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
     @functools.wraps(fn)
     def wrapper(storage_option: tuple[str, ...], quiet: bool, debug: bool, **kwargs: Any) -> Any:
+        options: dict = {}
         try:
             from zeroshard.storage import parse_storage_options
 
@@ -36,7 +37,12 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (ZeroshardError, ValueError) as exc:
             if debug:
                 raise
-            click.echo(f"zeroshard: error: {exc}", err=True)
+            hint = None
+            if isinstance(exc, ZeroshardError):  # what to do next, when the input says it (a DeepSpeed folder...)
+                from zeroshard.toolkit.hints import next_step
+
+                hint = next_step(exc, options)
+            click.echo(f"zeroshard: error: {exc}" + (f"; {hint}" if hint else ""), err=True)
             sys.exit(EXIT_ERROR)
         except KeyboardInterrupt:
             click.echo("zeroshard: interrupted; nothing was committed", err=True)
@@ -127,9 +133,44 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     """
     from zeroshard.toolkit.consolidate import consolidate as run
 
+    if out.rstrip("/").lower().endswith(NOT_SAFETENSORS):
+        raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
+                             f"*.safetensors (one file) or give a folder (HF's layout)")
+    source = _source(ckpt, storage_options)
     files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                 storage_options=storage_options, quiet=quiet, workers=workers)
-    click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else ""))
+    click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else "")
+               + (f" from {source}" if source else ""))
+
+
+NOT_SAFETENSORS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".safetensor", ".st", ".npz", ".json")
+
+
+def _source(ckpt: str, storage_options: dict) -> str | None:
+    """'FOLDER (step N, world W)': the checkpoint a path (maybe a root with `latest`) leads to.
+    None when it cannot be read: the command itself then reports why."""
+    from zeroshard.format import open_checkpoint
+
+    try:
+        location, manifest = open_checkpoint(ckpt, storage_options)
+    except ZeroshardError:
+        return None
+    step = f"step {manifest.step}, " if manifest.step is not None else ""
+    return f"{location.url} ({step}world {manifest.world_size})"
+
+
+def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
+    """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
+    from zeroshard.format import open_checkpoint
+    from zeroshard.partition import chunk_size
+
+    try:
+        _, manifest = open_checkpoint(ckpt, storage_options)
+    except ZeroshardError:
+        return None  # the command itself reports why
+    sizes = [t.numel for t in manifest.tensors.values() if t.layout == "flat" and t.numel]
+    used = max((-(-n // chunk_size(n, world_size)) for n in sizes), default=world_size)
+    return world_size - used, max(sizes, default=0)
 
 
 @main.command()
@@ -141,9 +182,11 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+@click.option("--allow-empty-ranks", is_flag=True,
+              help="Write even when more than half the new ranks would hold no element of any tensor.")
 @_common
-def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None, storage_options: dict,
-            quiet: bool) -> None:
+def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None,
+            allow_empty_ranks: bool, storage_options: dict, quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
     Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
@@ -153,6 +196,10 @@ def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, worker
     """
     from zeroshard.toolkit.reshard import reshard as run
 
+    empty = _empty_ranks(ckpt, world_size, storage_options) if world_size > 1 else None
+    if empty and empty[0] > world_size // 2 and not allow_empty_ranks:  # a typo'd --to, not a plan
+        raise ZeroshardError(f"{ckpt}: at {world_size:,} ranks, {empty[0]:,} would hold no element of any tensor "
+                             f"(the largest has {empty[1]:,}); pass --allow-empty-ranks to write them anyway")
     result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
                  workers=workers)
     click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
@@ -289,8 +336,13 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     this host is never stale; one of another host or an S3 upload is stale once older than AGE.
     Committed checkpoints and any other file are never touched.
     """
+    from zeroshard.storage.location import Location
     from zeroshard.toolkit.clean import clean as run
     from zeroshard.toolkit.clean import parse_age
+
+    root = Location(path, storage_options)
+    if root.local and not root.exists():  # (an S3 prefix may hold only pending uploads: no objects)
+        raise ZeroshardError(f"{path}: no such folder (nothing to clean)")
 
     report = run(path, older_than_s=parse_age(older_than), dry_run=dry_run or not yes, storage_options=storage_options)
     verb = "removed" if yes and not dry_run else "stale"
