@@ -206,3 +206,25 @@ def test_mistakes_are_caught_before_anything_is_written(run_root, tmp_path):
     assert code == 0 and out.strip().endswith(f"from {root}/step-7 (step 7, world 3)")
     code, _, err = cli("clean", str(tmp_path / "typo"))
     assert code == 1 and "typo: no such folder" in err
+
+
+def test_estimate_plot_draws_the_papers_picture(tmp_path):
+    pytest.importorskip("matplotlib", reason="the test extra installs matplotlib (the plot extra)")
+    code, out, _ = cli("estimate", "--params", "7.5B", "--gpus", "64", "--plot", str(tmp_path / "z.png"))
+    assert code == 0 and "1.88" in out and f"wrote {tmp_path / 'z.png'}" in out
+    assert (tmp_path / "z.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from zeroshard.estimate_plot import device_counts
+
+    assert device_counts(64)[:3] == [1, 2, 4] and 64 in device_counts(64) and device_counts(3000)[-1] >= 4 * 3000
+
+
+def test_estimate_plot_without_matplotlib_says_what_to_install(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "import importlib.util; importlib.util.find_spec = lambda name, *a: None\n"  # as if not installed
+            "from click.testing import CliRunner; from zeroshard.cli import main\n"
+            "r = CliRunner().invoke(main, ['estimate', '--params', '1B', '--gpus', '8', '--plot', sys.argv[1]])\n"
+            "print(r.exit_code); print(r.output.strip())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.png")], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines() == ["1", "Error: --plot needs the plot extra: pip install 'zeroshard[plot]'"]
+    assert not (tmp_path / "p.png").exists()

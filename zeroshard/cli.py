@@ -435,8 +435,33 @@ def export_dcp(ckpt: str, out: str, overwrite: bool, storage_options: dict, quie
 
 
 def _register_estimate() -> None:
-    from zeroshard.estimate import estimate_command  # pure arithmetic: no torch, no engine
+    from zeroshard.estimate import estimate_command, parse_count  # pure arithmetic: no torch, no engine
 
+    # --plot is added here, beside the table command: matplotlib is imported only when asked for
+    estimate_command.params.append(click.Option(
+        ["--plot"], metavar="FILE", default=None,
+        help="Also draw memory per device against device count, by stage, into FILE (.png, .svg, .pdf; "
+             "needs the plot extra)."))
+    table = estimate_command.callback
+
+    def with_plot(plot: str | None = None, **kwargs: Any) -> None:
+        import importlib.util
+
+        if plot and importlib.util.find_spec("matplotlib") is None:  # before the table: one clear failure
+            from zeroshard.estimate_plot import PLOT_EXTRA_HINT
+
+            raise click.ClickException(PLOT_EXTRA_HINT)
+        table(**kwargs)
+        if plot:
+            from zeroshard.estimate_plot import plot_memory
+
+            try:
+                plot_memory(parse_count(kwargs["params"]), kwargs["gpus"], plot, kwargs["dtype"])
+            except ZeroshardError as exc:
+                raise click.ClickException(str(exc)) from None
+            click.echo(f"wrote {plot}")
+
+    estimate_command.callback = with_plot
     main.add_command(estimate_command, "estimate")
 
 
