@@ -228,3 +228,33 @@ def test_estimate_plot_without_matplotlib_says_what_to_install(tmp_path):
                          check=True).stdout
     assert out.splitlines() == ["1", "Error: --plot needs the plot extra: pip install 'zeroshard[plot]'"]
     assert not (tmp_path / "p.png").exists()
+
+
+def _torchrun(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+CHILD = """
+import os, subprocess, sys
+rank = os.environ["RANK"]
+# a program torchrun started, running the CLI itself: the CLI must not join a group of its own
+done = subprocess.run([sys.executable, "-m", "zeroshard.cli", "reshard", sys.argv[1], f"single-{rank}", "--to", "2",
+                       "-q"], capture_output=True, text=True, timeout=120)
+assert done.returncode == 0 and "over 2 ranks" in done.stdout, done.stderr
+"""
+
+
+def test_one_cli_under_torchrun(run_root, tmp_path):
+    root, _ = run_root
+    proc = _torchrun(tmp_path, "-m", "zeroshard.cli", "reshard", str(root), "wide", "--world", "5", "-q",
+                     "-S", "zeroshard_read_ahead=2")  # options the single-process form has, under torchrun
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1  # rank 0 reports
+    assert cli("diff", str(root), str(tmp_path / "wide"), "--all")[0] == 0
+    assert json.loads(cli("inspect", str(tmp_path / "wide"), "--json")[1])["world_size"] == 5
+    (tmp_path / "child.py").write_text(CHILD)
+    proc = _torchrun(tmp_path, "child.py", str(root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(cli("diff", str(root), str(tmp_path / f"single-{r}"))[0] == 0 for r in (0, 1))

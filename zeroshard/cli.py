@@ -6,10 +6,12 @@ non-zero exit; --debug shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -87,7 +89,7 @@ def main() -> None:
 @main.command()
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, required=True, help="Number of ranks to shard for.")
+@click.option("--world", "--to", "world_size", type=int, required=True, help="Number of ranks to shard for.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
@@ -116,9 +118,12 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+@click.option("--distributed/--single", "distributed", default=None,
+              help="Share the work among the processes torchrun started (default: when launched by torchrun "
+                   "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
 @_common
 def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
-                workers: int | None, storage_options: dict, quiet: bool) -> None:
+                workers: int | None, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
     \b
@@ -137,8 +142,17 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
         raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
                              f"*.safetensors (one file) or give a folder (HF's layout)")
     source = _source(ckpt, storage_options)
-    files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                storage_options=storage_options, quiet=quiet, workers=workers)
+    if _use_torchrun(distributed):
+        from zeroshard.toolkit.distributed import consolidate_distributed
+
+        with _process_group() as rank:
+            files = consolidate_distributed(ckpt, out, max_shard_size=max_shard_size, dtype=dtype,
+                                            overwrite=overwrite, storage_options=storage_options, workers=workers or 1)
+        if rank:
+            return
+    else:
+        files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                    storage_options=storage_options, quiet=quiet, workers=workers)
     click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else "")
                + (f" from {source}" if source else ""))
 
@@ -159,6 +173,37 @@ def _source(ckpt: str, storage_options: dict) -> str | None:
     return f"{location.url} ({step}world {manifest.world_size})"
 
 
+def _use_torchrun(flag: bool | None) -> bool:
+    """--distributed / --single, or by default: this process is a torchrun worker of a group of 2+.
+    A program that torchrun started and that runs `zeroshard` itself passes its environment on, so
+    the parent process must be torchrun's agent too (Linux; elsewhere pass --distributed)."""
+    if flag is not None:
+        return flag
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().decode("utf-8", "replace").split("\0")[:3]  # python [-m] launcher, or torchrun
+    except OSError:
+        return False
+    return any(os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run"
+               or arg.endswith("torch/distributed/run.py") for arg in parent)
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[int]:
+    """A gloo group over torchrun's environment (TCP, no GPU) for the command; yields this rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
 def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
     """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
     from zeroshard.format import open_checkpoint
@@ -175,8 +220,10 @@ def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int
 
 @main.command()
 @click.argument("ckpt")
-@click.option("--to", "world_size", type=int, required=True, help="The new number of ranks (any M >= 1).")
-@click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
+@click.argument("out_arg", metavar="[OUT]", required=False)
+@click.option("--to", "--world", "world_size", type=int, required=True,
+              help="The new number of ranks (any M >= 1).")
+@click.option("-o", "--out", default=None, help="OUT as an option (default: CKPT-world<M> beside CKPT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
@@ -184,9 +231,12 @@ def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @click.option("--allow-empty-ranks", is_flag=True,
               help="Write even when more than half the new ranks would hold no element of any tensor.")
+@click.option("--distributed/--single", "distributed", default=None,
+              help="Share the work among the processes torchrun started (default: when launched by torchrun "
+                   "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
 @_common
-def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None,
-            allow_empty_ranks: bool, storage_options: dict, quiet: bool) -> None:
+def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, overwrite: bool, workers: int | None,
+            allow_empty_ranks: bool, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
     Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
@@ -196,10 +246,24 @@ def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, worker
     """
     from zeroshard.toolkit.reshard import reshard as run
 
+    if out_arg and out and out_arg != out:
+        raise ZeroshardError(f"two outputs given ({out_arg} and -o {out}): give OUT once")
+    out = out_arg or out
     empty = _empty_ranks(ckpt, world_size, storage_options) if world_size > 1 else None
     if empty and empty[0] > world_size // 2 and not allow_empty_ranks:  # a typo'd --to, not a plan
         raise ZeroshardError(f"{ckpt}: at {world_size:,} ranks, {empty[0]:,} would hold no element of any tensor "
                              f"(the largest has {empty[1]:,}); pass --allow-empty-ranks to write them anyway")
+    if _use_torchrun(distributed):
+        from zeroshard.toolkit.distributed import reshard_distributed
+
+        if not out:
+            raise ZeroshardError("--distributed needs OUT (every process must name the same folder)")
+        with _process_group() as rank:
+            url = reshard_distributed(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options,
+                                      workers=workers or 1)
+        if not rank:
+            click.echo(f"wrote {url}: {world_size} ranks")
+        return
     result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
                  workers=workers)
     click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
@@ -369,7 +433,8 @@ def import_group() -> None:
 @import_group.command("deepspeed")
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, default=None, help="Ranks to write for (default: the source's).")
+@click.option("--world", "--to", "world_size", type=int, default=None,
+              help="Ranks to write for (default: the source's).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict,
@@ -391,7 +456,7 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
 @import_group.command("dcp")
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, default=1, show_default=True, help="Ranks to write for.")
+@click.option("--world", "--to", "world_size", type=int, default=1, show_default=True, help="Ranks to write for.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def import_dcp(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
