@@ -146,3 +146,22 @@ def test_a_two_rank_training_step_from_the_installed_package(venv, tmp_path):
          cwd=tmp_path, timeout=120)
     info = json.loads(_run([str(venv / "bin" / "zeroshard"), "inspect", "run", "--json"], cwd=tmp_path).stdout)
     assert info["world_size"] == 2 and info["step"] == 1, info
+
+
+@pytest.mark.s3
+def test_the_s3_extra_against_moto(venv, tmp_path, s3_bucket):
+    """Last here: it gives the venv s3fs (as `pip install 'zeroshard[s3]'` would) and uses it on moto."""
+    site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    (extra := tmp_path / "s3_extra").mkdir()
+    for entry in Path(site).iterdir():
+        if entry.name.lower().startswith("s3fs"):
+            (extra / entry.name).symlink_to(entry)
+    (fresh_site,) = (venv / "lib").glob("python*/site-packages")
+    (fresh_site / "s3_extra.pth").write_text(f"{extra}\n")
+    python, cli = str(venv / "bin" / "python"), str(venv / "bin" / "zeroshard")
+    _run([python, "-c", "import torch; from safetensors.torch import save_file;"
+          "save_file({'w': torch.arange(12.0).reshape(3, 4)}, 'm.safetensors')"], cwd=tmp_path)
+    _run([cli, "shard", "m.safetensors", f"{s3_bucket}/ck", "--world", "2", "-q"], cwd=tmp_path)
+    _run([cli, "consolidate", f"{s3_bucket}/ck", "out.safetensors", "-q"], cwd=tmp_path)
+    _run([python, "-c", "from safetensors.torch import load_file; import torch;"
+          "assert load_file('out.safetensors')['w'].equal(torch.arange(12.0).reshape(3, 4))"], cwd=tmp_path)
