@@ -456,10 +456,11 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
 @import_group.command("dcp")
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "--to", "world_size", type=int, default=1, show_default=True, help="Ranks to write for.")
+@click.option("--world", "--to", "world_size", type=int, default=None,
+              help="Ranks to write for (default: the source's, one per .distcp file).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def import_dcp(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+def import_dcp(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
     """A torch.distributed.checkpoint folder (FSDP2 `dcp.save({"model": ..., "optim": ...})`).
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight

@@ -19,7 +19,9 @@ def next_step(exc: ZeroshardError, storage_options: dict | None = None) -> str |
     if not isinstance(where, str):
         return None
     try:
-        return _pickle_hint(where) or _checkpoint_hint(where, storage_options)
+        # only where a pickle was taken for safetensors: import's own refusals of pickles say enough
+        pickle = _pickle_hint(where) if "safetensors" in str(exc) else None
+        return pickle or _checkpoint_hint(where, storage_options)
     except Exception:  # a hint is a courtesy: never replace the real error with another
         return None
 
