@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,40 @@ def test_the_training_snippet_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and a
     assert all(a[k].equal(b[k]) for k in a), "the resumed run does not end where the uninterrupted one does"
     assert not all(a[k].equal(early[k]) for k in a)  # training moved the weights: the comparison means something
+
+
+def _toolkit_lines(path: Path) -> list[str]:
+    """Each `zeroshard ...` command in the file's ```bash blocks (comments cut, `&&` chains split)."""
+    import shlex
+
+    commands, in_bash = [], False
+    for line in path.read_text().splitlines():
+        if line.strip().startswith("```"):
+            in_bash = line.strip() == "```bash"
+            continue
+        if in_bash:
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                if words[:1] == ["zeroshard"]:
+                    commands.append(words[1:])
+    return commands
+
+
+def test_the_readme_commands_parse():
+    """Every toolkit command the README shows names real subcommands and options (parsed, not run)."""
+    import click
+
+    from zeroshard.cli import main
+
+    commands = _toolkit_lines(ROOT / "README.md")
+    assert len(commands) >= 10
+    for args in commands:
+        with warnings.catch_warnings():  # click 8.2 deprecates protected_args; 8.1 needs it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ctx = main.make_context("zeroshard", list(args))
+            command, rest = main, list(ctx.protected_args) + list(ctx.args)
+            while isinstance(command, click.Group):  # raises click's UsageError on an unknown option
+                name, command, rest = command.resolve_command(ctx, rest)
+                ctx = command.make_context(name, rest, parent=ctx)
+                rest = list(ctx.protected_args) + list(ctx.args)
+        assert not rest, f"zeroshard {' '.join(args)}: unexpected {rest}"
