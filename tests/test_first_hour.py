@@ -258,3 +258,24 @@ def test_one_cli_under_torchrun(run_root, tmp_path):
     proc = _torchrun(tmp_path, "child.py", str(root))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(cli("diff", str(root), str(tmp_path / f"single-{r}"))[0] == 0 for r in (0, 1))
+
+
+@pytest.mark.parametrize("rank_major", [True, False], ids=["files-read-whole", "per-tensor"])
+def test_the_readers_check_every_byte(run_root, tmp_path, monkeypatch, rank_major):
+    import zeroshard.toolkit.load as load
+
+    root, data = run_root
+    if not rank_major:
+        monkeypatch.setattr(load, "SMALL_FILE_BYTES", 0)  # every file "big": the per-tensor path
+    assert zeroshard.load_state_dict(str(root))["embed.weight"].equal(data["embed.weight"])
+    assert cli("diff", str(root / "step-5"), str(root), "--all")[0] == 0
+    victim = root / "step-7" / "rank-00001-of-00003.safetensors"
+    raw = bytearray(victim.read_bytes())
+    header_len = int.from_bytes(raw[:8], "little")
+    begin, _ = json.loads(raw[8:8 + header_len])["embed.weight"]["data_offsets"]
+    raw[8 + header_len + begin] ^= 0xFF  # one byte of rank 1's fragment of embed.weight
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(zeroshard.CheckpointError, match="hash mismatch"):
+        zeroshard.load_state_dict(str(root), roles=None)
+    code, _, err = cli("diff", str(root / "step-5"), str(root), "--all")
+    assert code == 1 and "hash mismatch" in err

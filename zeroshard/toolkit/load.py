@@ -108,8 +108,10 @@ def load_state_dict(path: str, names: Iterable[str] | str | None = None, *, excl
         if names is not None and not chosen:
             raise CheckpointError(tensors.location.url, f"no tensor matches {names!r}")
         out: dict[str, "torch.Tensor"] = {}
+        whole = read_rank_major(tensors._reader, [tensors.info(n) for n in chosen])
         for name in chosen:
-            tensor = tensors[name]
+            entry = tensors.info(name)
+            tensor = whole[entry.name].view(entry.shape) if whole is not None else tensors[name]
             if target is not None and tensor.is_floating_point():
                 tensor = tensor.to(target)
             key = strip(name, prefixes)
@@ -117,6 +119,43 @@ def load_state_dict(path: str, names: Iterable[str] | str | None = None, *, excl
                 raise CheckpointError(tensors.location.url, f"stripping {prefixes} makes two tensors {key!r}")
             out[key] = tensor
         return out
+
+
+SMALL_FILE_BYTES = 8 * 1024 * 1024  # rank files up to this size are read whole, once each
+SMALL_TOTAL_BYTES = 1024 * 1024 * 1024  # ... when the tensors wanted fit in this much memory
+
+
+def read_rank_major(reader: CheckpointReader, wanted: Iterable[TensorEntry]) -> dict[str, "torch.Tensor"] | None:
+    """Every tensor of `wanted` in full (flat), reading each rank file once, whole, and placing its
+    fragments: thousands of small rank files cost one read each instead of one per fragment.
+    Only for local checkpoints of small files and a bounded total; None otherwise (read per tensor)."""
+    import torch
+
+    from zeroshard.format.reader import fragments_of
+    from zeroshard.storage.safetensors_header import torch_dtype
+    from zeroshard.toolkit.gather import check_input
+
+    manifest = reader.manifest
+    unique = {t.name: t for t in wanted}
+    if not reader.location.local or any(f.size > SMALL_FILE_BYTES for f in manifest.files) or \
+            sum(t.nbytes for t in unique.values()) > SMALL_TOTAL_BYTES:
+        return None
+    out = {n: torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for n, t in unique.items()}
+    views = {n: memoryview(o.view(torch.uint8).numpy()).cast("B") for n, o in out.items()}
+    by_rank: dict[int, list[tuple[TensorEntry, int, int]]] = {}
+    for t in unique.values():
+        for rank, start, end in fragments_of(t, manifest.world_size):
+            by_rank.setdefault(rank, []).append((t, start, end))
+    for rank in sorted(by_rank):
+        opened = reader.open_file(rank)  # its header checked against the manifest
+        whole = memoryview(bytearray(opened.header.file_size))
+        opened.reader.read_into(0, whole)
+        if reader.verify_hashes:  # the whole file's hash when small, else each fragment used
+            check_input(reader, rank, whole, [t.name for t, _, _ in by_rank[rank]])
+        for t, start, end in by_rank[rank]:
+            entry = opened.header.entries[t.name]
+            views[t.name][start * t.itemsize:end * t.itemsize] = whole[entry.begin:entry.end]
+    return out
 
 
 def strip(name: str, prefixes: list[str]) -> str:
