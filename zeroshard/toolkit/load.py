@@ -140,12 +140,15 @@ def read_rank_major(reader: CheckpointReader, wanted: Iterable[TensorEntry]) -> 
     if not reader.location.local or any(f.size > SMALL_FILE_BYTES for f in manifest.files) or \
             sum(t.nbytes for t in unique.values()) > SMALL_TOTAL_BYTES:
         return None
-    out = {n: torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for n, t in unique.items()}
-    views = {n: memoryview(o.view(torch.uint8).numpy()).cast("B") for n, o in out.items()}
     by_rank: dict[int, list[tuple[TensorEntry, int, int]]] = {}
     for t in unique.values():
         for rank, start, end in fragments_of(t, manifest.world_size):
             by_rank.setdefault(rank, []).append((t, start, end))
+    read = sum(manifest.file_for_rank(rank).size for rank in by_rank)
+    if read > 4 * sum(t.nbytes for t in unique.values()) + SMALL_FILE_BYTES:
+        return None  # a few tensors out of many: whole files would read mostly what is not wanted
+    out = {n: torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for n, t in unique.items()}
+    views = {n: memoryview(o.view(torch.uint8).numpy()).cast("B") for n, o in out.items()}
     for rank in sorted(by_rank):
         opened = reader.open_file(rank)  # its header checked against the manifest
         whole = memoryview(bytearray(opened.header.file_size))
