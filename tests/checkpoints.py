@@ -12,12 +12,11 @@ from zeroshard.format import (
     CheckpointReader,
     TensorSpec,
     build_manifest,
-    commit_checkpoint,
     open_checkpoint,
-    prepare_output_folder,
     rank_contents,
     write_rank_file,
 )
+from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage import Location, dtype_name
 
 
@@ -72,19 +71,24 @@ def write_checkpoint(url: str, specs: list[TensorSpec], data: dict[str, torch.Te
             name = f"rng/rank-{rank:05d}/cpu"
             specs.append(TensorSpec(name, "extra", "U8", (16,), "local", owner=rank))
             data[name] = torch.full((16,), rank, dtype=torch.uint8)
-    location = Location(url)
-    previous = prepare_output_folder(location, overwrite=False)
+    _write(Location(url), specs, data, world_size, fields)
+
+
+@output_transaction  # a failure leaves no claim or stage behind
+def _write(location: Location, specs: list[TensorSpec], data: dict[str, torch.Tensor], world_size: int,
+           fields: dict) -> None:
+    output = prepare_output(location, overwrite=False)  # identity, claim, stage: as the toolkit writes
     checkpoint_id = uuid.uuid4().hex
 
     def fill(spec, start, end, write):
         write(memoryview(data[spec.name].reshape(-1)[start:end].contiguous().view(torch.uint8).numpy()))
 
-    results = [write_rank_file(location, checkpoint_id, r, world_size, rank_contents(specs, world_size, r), fill)
+    results = [write_rank_file(output.stage, checkpoint_id, r, world_size, rank_contents(specs, world_size, r), fill)
                for r in range(world_size)]
     fields.setdefault("optimizer", {"class": "torch.optim.AdamW", "param_groups": [{"lr": 1e-3, "params": []}]})
     manifest = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=3, step=7, tag="step-7",
                               client_state={"epoch": 1, "offset": 123}, **fields)
-    commit_checkpoint(location, manifest, previous)
+    output.commit_checkpoint(manifest)
 
 
 def read_checkpoint(url: str) -> dict[str, torch.Tensor]:

@@ -308,3 +308,78 @@ def test_fifo_in_place_of_a_file_is_refused_without_hanging(ckpt, command, victi
     # a size check may see it first ("0 bytes"); otherwise opening it says what it is
     assert "not a regular file (a FIFO)" in output or "truncated: 0 bytes" in output, output
     assert not out.exists() or command[0] == "reshard" and not (out / "zeroshard.json").exists()
+
+
+def strip_hash_table(path: Path) -> bytes:
+    """The rank file at `path` with its fragment hash table taken out of header and data, as a
+    file whose header is otherwise well formed."""
+    from zeroshard.format.manifest import HASH_TABLE_NAME
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    table = header.pop(HASH_TABLE_NAME)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + raw[8 + length:8 + length + table["data_offsets"][0]]
+
+
+def rerecord(ckpt: Path, rank: int, data: bytes) -> None:
+    """Write a rank file and record its new size and hash, as a careful forger would."""
+    from zeroshard.storage.hashing import hash_bytes
+
+    (ckpt / f"rank-{rank:05d}-of-00003.safetensors").write_bytes(data)
+
+    def change(doc):
+        entry = next(f for f in doc["files"] if f["rank"] == rank)
+        entry["size"], entry["hash"] = len(data), hash_bytes(data)
+    edit_manifest(ckpt, change)
+
+
+@pytest.mark.parametrize("command", ALL_READERS)
+def test_rank_file_without_its_hash_table(tmp_path, command):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "ckpt"), specs, data, 3)
+    rerecord(tmp_path / "ckpt", 1, strip_hash_table(tmp_path / "ckpt" / RANK1))
+    code, output, _ = run_reader(command, tmp_path / "ckpt")
+    assert_one_line_error(code, output, f"{RANK1}: no fragment hash table", "manifest says format 1.1",
+                          exit_code=3 if command[0] == "verify" else 1)
+    assert "'None'" not in output and "rank-00000" not in output and "rank-00002" not in output
+
+
+def legacy_manifest_as_1_1(ckpt: Path) -> None:
+    """Relabel a 1.0 manifest as 1.1, converting its fields so that it parses as one."""
+    def change(doc):
+        doc["version"] = "1.1"
+        for t in doc["tensors"].values():
+            fragments = t.pop("fragments")
+            if t["layout"] == "local":
+                t["owner"] = fragments[0][0]
+    edit_manifest(ckpt, change)
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_1_0_checkpoint_whose_manifest_says_1_1(tmp_path, deep):
+    shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "ckpt")
+    legacy_manifest_as_1_1(tmp_path / "ckpt")
+    code, output = run_cli("verify", "-q", *(["--deep"] if deep else []), str(tmp_path / "ckpt"))
+    assert_one_line_error(code, output, "no fragment hash table", "written by format 1.0",
+                          "manifest says format 1.1", exit_code=3)
+    lines = [line for line in output.splitlines() if "rank-0000" in line]
+    assert len(lines) == 3 and "'None'" not in output, output  # one line per file, each naming it
+    for rank in range(3):
+        assert f"rank-0000{rank}-of-00003.safetensors: no fragment hash table" in output
+    code, output = run_cli("consolidate", "-q", str(tmp_path / "ckpt"), str(tmp_path / "o.safetensors"))
+    assert_one_line_error(code, output, "rank-00000-of-00003.safetensors: no fragment hash table",
+                          "manifest says format 1.1")
+
+
+def test_1_1_rank_file_in_a_1_0_checkpoint(tmp_path):
+    shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "ckpt")
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "new"), specs, data, 3)
+    rerecord(tmp_path / "ckpt", 1, (tmp_path / "new" / RANK1).read_bytes())
+    code, output = run_cli("verify", "-q", str(tmp_path / "ckpt"))
+    assert_one_line_error(code, output, f"{RANK1}: has a fragment hash table", "manifest says format 1.0",
+                          exit_code=3)
+    assert "is in the file but not in the manifest" not in output, output

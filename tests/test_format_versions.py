@@ -90,3 +90,26 @@ def test_manifest_has_no_fragment_lists(tmp_path):
     assert doc["version"] == "1.1"
     assert not any("fragments" in t for t in doc["tensors"].values())
     assert doc["tensors"]["rng/rank-00002/cpu"]["owner"] == 2
+
+
+def test_a_1_0_checkpoint_relabelled_1_1_is_refused_by_the_reader_naming_the_file(tmp_path):
+    """What every reader (consolidate, reshard, an engine's load) sees: the first rank file it
+    opens named, and why, in one line; not a missing tensor called 'None'."""
+    from zeroshard.errors import CheckpointError
+    from zeroshard.format import CheckpointReader
+
+    shutil.copytree(FORMAT_1_0 / "training-w3", tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / "zeroshard.json").read_text())
+    doc["version"] = "1.1"
+    for t in doc["tensors"].values():
+        fragments = t.pop("fragments")
+        if t["layout"] == "local":
+            t["owner"] = fragments[0][0]
+    (tmp_path / "c" / "zeroshard.json").write_text(json.dumps(doc))
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    with CheckpointReader(location, manifest) as reader:
+        with pytest.raises(CheckpointError) as caught:
+            reader.open_file(2)
+    assert caught.value.where.endswith("rank-00002-of-00003.safetensors")
+    assert caught.value.problem == ("no fragment hash table '__zeroshard_fragment_hashes__' in its header (written "
+                                    "by format 1.0; its header says format '1.0') but the manifest says format 1.1")

@@ -155,20 +155,30 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path):
 
 
 def test_hostile_chunk_bytes_are_refused_and_never_run(tmp_path):
-    """The metadata is fine but a value's bytes are a pickle that would call os.system."""
+    """The metadata is fine (a one-element model tensor) but its chunk's bytes are a pickle that
+    would call os.system."""
     import io
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     folder, side = tmp_path / "evil", tmp_path / "pwned"
     folder.mkdir()
     blob = io.BytesIO()
     torch.save(_Evil(side), blob)
     (folder / "__0_0.distcp").write_bytes(blob.getvalue())
-    metadata = Metadata(state_dict_metadata={"model.x": BytesStorageMetadata()},
-                        planner_data={"model.x": ("model", "x")},
-                        storage_data={MetadataIndex("model.x"): _StorageInfo("__0_0.distcp", 0, len(blob.getvalue()))})
+    one = torch.Size([1])
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), one,
+                                  [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=one)])
+    metadata = Metadata(state_dict_metadata={"model.x": entry}, planner_data={"model.x": ("model", "x")},
+                        storage_data={MetadataIndex("model.x", torch.Size([0])):
+                                      _StorageInfo("__0_0.distcp", 0, len(blob.getvalue()))})
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError) as err:
         read_dcp(str(folder))

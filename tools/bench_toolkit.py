@@ -74,11 +74,10 @@ def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int
     from zeroshard.format import (
         TensorSpec,
         build_manifest,
-        commit_checkpoint,
-        prepare_output_folder,
         rank_contents,
         write_rank_file,
     )
+    from zeroshard.format.output import prepare_output
     from zeroshard.storage import Location
 
     specs = []
@@ -90,13 +89,17 @@ def build_checkpoint(path: Path, params: int, world_size: int) -> tuple[int, int
     fill = noise_fill()
 
     location = Location(str(path))
-    prepare_output_folder(location, overwrite=True)
+    output = prepare_output(location, overwrite=True)  # the old one is kept until the new one commits
     checkpoint_id = uuid.uuid4().hex
-    results = [write_rank_file(location, checkpoint_id, r, world_size, rank_contents(specs, world_size, r), fill)
-               for r in range(world_size)]
+    try:
+        results = [write_rank_file(output.stage, checkpoint_id, r, world_size, rank_contents(specs, world_size, r),
+                                   fill) for r in range(world_size)]
+    except BaseException:
+        output.abandon()
+        raise
     manifest = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=3, step=1000,
                               optimizer={"class": "torch.optim.AdamW", "param_groups": [{"lr": 3e-4}]})
-    commit_checkpoint(location, manifest)
+    output.commit_checkpoint(manifest)
     n_params = sum(s.numel for s in specs if s.role == "param")
     return n_params, sum(f.size for f in manifest.files), max(s.numel * 4 for s in specs)
 

@@ -32,13 +32,36 @@ setup() {
 # The tests that compare with real DeepSpeed (docs/DEEPSPEED.md) run when it is installed; its
 # build imports torch, so it needs --no-build-isolation. Best effort: without it they skip.
 test_extras() {
-    "$py" -c "import deepspeed" >/dev/null 2>&1 && return
-    [ -f "$venv/.deepspeed-failed" ] && return
-    echo "== set-up: DeepSpeed 0.19.8 (CPU, no ops) for the comparison tests"
-    if ! DS_BUILD_OPS=0 DS_ACCELERATOR=cpu timeout 900 "$py" -m pip install -q -c tools/constraints.txt \
-            --no-build-isolation deepspeed==0.19.8 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); then
-        echo "== DeepSpeed could not be installed: the tests that need it will skip" >&2
-        touch "$venv/.deepspeed-failed"
+    local quiet_pip="is ignored: it is neither a file nor a directory"
+    if ! "$py" -c "import deepspeed" >/dev/null 2>&1 && [ ! -f "$venv/.deepspeed-failed" ]; then
+        echo "== set-up: DeepSpeed 0.19.8 (CPU, no ops) for the comparison tests"
+        if ! DS_BUILD_OPS=0 DS_ACCELERATOR=cpu timeout 900 "$py" -m pip install -q -c tools/constraints.txt \
+                --no-build-isolation deepspeed==0.19.8 2> >(grep -v "$quiet_pip" >&2); then
+            echo "== DeepSpeed could not be installed: the tests that need it will skip" >&2
+            touch "$venv/.deepspeed-failed"
+        fi
+    fi
+    # Accelerate and torchtitan write the DCP layouts tests/test_dcp_layouts.py imports.
+    if ! "$py" -c "import accelerate" >/dev/null 2>&1 && [ ! -f "$venv/.accelerate-failed" ]; then
+        echo "== set-up: Accelerate 1.15.0 for the DCP layout tests"
+        if ! timeout 600 "$py" -m pip install -q -c tools/constraints.txt accelerate==1.15.0 \
+                2> >(grep -v "$quiet_pip" >&2); then
+            echo "== Accelerate could not be installed: its DCP layout test will skip" >&2
+            touch "$venv/.accelerate-failed"
+        fi
+    fi
+    # torchtitan declares heavy dependencies (datasets, wandb, ...): only its package and what its
+    # checkpoint and optimizer code import, in a folder of their own the test puts on sys.path.
+    local titan="$venv/torchtitan-0.3.0"
+    if [ ! -d "$titan/torchtitan" ] && [ ! -f "$venv/.torchtitan-failed" ]; then
+        echo "== set-up: torchtitan 0.3.0 (no dependencies) in $titan for the DCP layout tests"
+        if ! timeout 600 "$py" -m pip install -q --no-deps --target "$titan" -c tools/constraints.txt \
+                torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 spmd_types==0.2.3 \
+                2> >(grep -v "$quiet_pip" >&2); then
+            echo "== torchtitan could not be installed: its DCP layout test will skip" >&2
+            rm -rf "$titan"
+            touch "$venv/.torchtitan-failed"
+        fi
     fi
 }
 

@@ -16,6 +16,7 @@ from zeroshard.errors import (
     OtherRanksFailedError,
     OutputExistsError,
     PeerLostError,
+    RanksBuiltDifferentModelsError,
     StorageError,
     ZeroshardError,
 )
@@ -24,7 +25,8 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
-           "ConfigError", "EngineUsageError", "load_state_dict", "open_tensors", "__version__"]
+           "ConfigError", "EngineUsageError", "RanksBuiltDifferentModelsError", "load_state_dict", "open_tensors",
+           "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",

@@ -37,3 +37,30 @@ def agree(error: BaseException | None, group: Any = None, *, action: str, payloa
     if failed:
         raise OtherRanksFailedError(action, failed)
     return [p for _, p in everyone]
+
+
+def gather_all(value: Any, group: Any = None, *, action: str) -> list[Any]:
+    """Every rank's `value` (small, picklable), in rank order; for a second exchange that every
+    rank makes because all learned the same thing from the first (so none is left waiting)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    with peer_loss_translated(action):
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def rank_groups(values: list[Any]) -> list[tuple[list[int], Any]]:
+    """Ranks grouped by equal value, in order of each group's lowest rank (rank 0's group first)."""
+    groups: dict[Any, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return [(ranks, values[ranks[0]]) for ranks in groups.values()]
+
+
+def ranks_text(ranks: list[int], shown: int = 8) -> str:
+    """'rank 3', 'ranks 1, 2', 'ranks 0, 1, ... and 40 more': short at thousands of ranks."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    listed = ", ".join(map(str, ranks[:shown]))
+    return f"ranks {listed}" + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")

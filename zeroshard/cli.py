@@ -458,19 +458,25 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
 @click.argument("out")
 @click.option("--world", "--to", "world_size", type=int, default=None,
               help="Ranks to write for (default: the source's, one per .distcp file).")
+@click.option("--buffers", default=None, metavar="REGEX",
+              help="Model tensors whose full name matches are buffers, not parameters (model-only sources).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def import_dcp(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
-    """A torch.distributed.checkpoint folder (FSDP2 `dcp.save({"model": ..., "optim": ...})`).
+def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, overwrite: bool,
+               storage_options: dict, quiet: bool) -> None:
+    """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
+    {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
+    Accelerate save_state folder (pytorch_model_fsdp_0/ + optimizer_0/).
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight
-    from the `.distcp` byte ranges.
+    from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
+    parameter unless --buffers names it.
     """
     from zeroshard.interop.dcp_import import read_dcp
     from zeroshard.interop.write import check_world_size, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
-    _report_import(write_imported(read_dcp(src), out, world_size, tag="dcp", overwrite=overwrite,
+    _report_import(write_imported(read_dcp(src, buffers), out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 

@@ -12,6 +12,7 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- PeerLostError               a collective lost contact with other ranks (a node died), naming them
     +-- ConfigError (also ValueError)  an invalid engine config
     +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
+        +-- RanksBuiltDifferentModelsError  initialize() found ranks that built different models
 """
 
 from __future__ import annotations
@@ -104,3 +105,8 @@ class ConfigError(ZeroshardError, ValueError):
 
 class EngineUsageError(ZeroshardError, RuntimeError):
     """The engine was used out of order or against its rules (the message says which and how to fix it)."""
+
+
+class RanksBuiltDifferentModelsError(EngineUsageError):
+    """Raised on every rank by initialize() when ranks built different models (names, shapes, dtypes,
+    zero_init() or eager), before any collective whose sizes depend on the model."""

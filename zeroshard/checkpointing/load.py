@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from zeroshard.agree import agree
-from zeroshard.checkpointing.stateful import decode_rank_state, scope_of
+from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restoring, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
@@ -94,21 +94,29 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         error = _load_error(exc, where, overwritten=reading)
     agree(error, group, action=ACTION)
     assert loaded is not None and manifest is not None
-    engine.restore(loaded, strict=False, adopt=True)
-    skipped = [k for k, o in (stateful or {}).items() if scope_of(o) == "rank" and k != "rng"]
-    if skipped and manifest.world_size != target.world_size and target.rank == 0:
-        # RNG streams are expected to restart at another world size; a data position is not
-        warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
-                      f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",
-                      stacklevel=3)
     error = None
-    try:
+    try:  # a failure on one rank is agreed on too: its peers must not wait in a later collective
+        engine.restore(loaded, strict=False, adopt=True)
+        skipped = [k for k, o in (stateful or {}).items() if scope_of(o) == "rank" and k != "rng"]
+        if skipped and manifest.world_size != target.world_size and target.rank == 0:
+            # RNG streams are expected to restart at another world size; a data position is not
+            warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
+                          f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",
+                          stacklevel=3)
         for key, obj in (stateful or {}).items():
-            saved = rank_states.get(key) if scope_of(obj) == "rank" else global_stateful(manifest.extra, key)
+            per_rank = scope_of(obj) == "rank"
+            saved = rank_states.get(key) if per_rank else global_stateful(manifest.extra, key)
             if saved is not None:
-                obj.load_state_dict(saved)
-    except Exception as exc:  # a Stateful that rejects its state: every rank must hear of it
-        error = CheckpointError(location.url, f"restoring {key!r} failed: {type(exc).__name__}: {exc}")
+                try:
+                    obj.load_state_dict(saved)
+                except Exception as exc:
+                    # the file its state came from: this rank's (per-rank state) or the manifest
+                    source = manifest.file_for_rank(target.rank).name if per_rank else MANIFEST_NAME
+                    raise CheckpointError(location.url_of(source), restoring(key, obj, target.rank, exc)) from None
+    except Exception as exc:
+        error = exc if isinstance(exc, ZeroshardError) else CheckpointError(
+            location.url, f"rank {target.rank}: restoring the engine failed: {one_line(exc)}; its state may now be "
+                          "partly overwritten: load a good checkpoint before training on")
     agree(error, group, action=ACTION)
     return manifest.client_state
 
@@ -121,7 +129,7 @@ def _load_error(exc: Exception, where: str, overwritten: bool) -> ZeroshardError
     if isinstance(exc, (CheckpointError, StorageError)):
         where, problem = exc.where, exc.problem
     else:
-        problem = str(exc) if isinstance(exc, ZeroshardError) else f"{type(exc).__name__}: {exc}"
+        problem = str(exc) if isinstance(exc, ZeroshardError) else one_line(exc)
     if overwritten:
         problem += "; this rank's engine state is now partly overwritten: load a good checkpoint before training on"
     return CheckpointError(where, problem)
@@ -252,7 +260,11 @@ def read_rank_states(manifest: Manifest, reader: CheckpointReader, rank: int,
     entry = manifest.tensors.get(rank_state_key(rank))
     if entry is not None:
         blob = reader.read_flat(entry).numpy().tobytes()
-        return decode_rank_state(blob, f"{reader.location.url}: {entry.name}")
+        try:
+            return parse_rank_state(blob)
+        except ValueError as exc:  # its hashes held: it was written so (or forged with fresh hashes)
+            raise CheckpointError(reader.where(entry.owner),
+                                  f"rank {rank}: tensor {entry.name!r} (this rank's Stateful states): {exc}") from None
     rng = dict(legacy_rng)
     for device, key in (("cpu", "torch"), ("cuda", "cuda")):
         tensor = manifest.tensors.get(legacy_rng_key(rank, device))

@@ -138,6 +138,14 @@ def encode_rank_state(states: Mapping[str, dict[str, Any]]) -> bytes:
 
 def decode_rank_state(blob: bytes, where: str) -> dict[str, Any]:
     """The per-rank states saved by encode_rank_state; ValueError naming `where` if malformed."""
+    try:
+        return parse_rank_state(blob)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def parse_rank_state(blob: bytes) -> dict[str, Any]:
+    """decode_rank_state without a name: ValueError("malformed rank-state blob (...)"), one line."""
     from safetensors.torch import load
 
     try:
@@ -147,7 +155,23 @@ def decode_rank_state(blob: bytes, where: str) -> dict[str, Any]:
             raise ValueError("its JSON is not an object")
         return {str(key): _resolve(state, tensors) for key, state in tree.items()}
     except Exception as exc:  # any malformation of the blob (absurd nesting included): one message
-        raise ValueError(f"{where}: malformed rank-state blob ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"malformed rank-state blob ({one_line(exc)})") from None
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` of an exception, cut to its first line and `limit` characters: a user's
+    load_state_dict may raise anything, and the error that reports it must stay one line."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit - 3] + "..."
+    more = " ..." if first and len(text.splitlines()) > 1 else ""
+    return f"{type(exc).__name__}: {first}{more}" if first else type(exc).__name__
+
+
+def restoring(key: str, obj: Any, rank: int, exc: BaseException) -> str:
+    """What went wrong when `obj` (saved under `key`) rejected its state on `rank`, in one line."""
+    return f"rank {rank}: restoring {key!r} ({type(obj).__name__}.load_state_dict) failed: {one_line(exc)}"
 
 
 def _resolve(value: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -10,7 +10,8 @@ Files, one concern each:
   config.py       ZeroConfig dataclasses; DeepSpeed-style dict/JSON parsing and validation
   layout.py       ParamShard/ShardInfo: each parameter's owned range (zeroshard.partition) and
                   fp32 master chunk; row layout of collective buffers
-  collectives.py  process-group set-up, bucketed parameter all-gathers
+  collectives.py  process-group set-up, bucketed parameter all-gathers; every collective issued
+  comm_ledger.py  what those collectives move (comm_report(): bytes per step against 2Ψ / 3Ψ)
   reducer.py      gradient buckets (all-reduce / reduce-scatter into fp32 gradient shards)
   stage3.py       stage-3 units, their gather/free state and every forward/backward hook
   precision.py    compute-dtype casting, fp16 dynamic loss scaling

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.bucketing import greedy_groups
+from zeroshard.engine.comm_ledger import LEDGER
 from zeroshard.engine.layout import ParamShard, rows_to_flat
 from zeroshard.peers import record_hosts
 
@@ -25,12 +26,26 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Every collective the engine issues goes through these four, which count it (comm_ledger.py).
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    LEDGER.record("all_gather", out.numel(), out.element_size())
     return _all_gather(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    LEDGER.record("reduce_scatter", inp.numel(), inp.element_size())
     return _reduce_scatter(out, inp, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    LEDGER.record("all_reduce", tensor.numel(), tensor.element_size())
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any) -> Any:
+    """`src` is a global rank, as torch.distributed.broadcast takes it."""
+    LEDGER.record("broadcast", tensor.numel(), tensor.element_size())
+    return dist.broadcast(tensor, src=src, group=group)
 
 
 def ensure_process_group() -> torch.device:

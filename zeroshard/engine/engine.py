@@ -23,7 +23,6 @@ the same state. The field-by-field description is in the package docstring
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from functools import partial
@@ -33,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.agree import agree
-from zeroshard.engine import memory, state
-from zeroshard.engine.collectives import ensure_process_group
-from zeroshard.engine.config import ConfigError, ZeroConfig
+from zeroshard.engine import comm_ledger, memory, state
+from zeroshard.engine.agreement import agree_on_build
+from zeroshard.engine.collectives import all_reduce, broadcast, ensure_process_group
+from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.contract import EngineState
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
@@ -87,7 +86,8 @@ def initialize(model: nn.Module,
         check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
-    _agree(error, cfg, model)
+    # Before any collective whose sizes depend on the model: all ranks built the same one, alike.
+    agree_on_build(error, model, cfg)
     return (engine_class or ZeroEngine)(model, optimizer, cfg, device, init_fn=init_fn)
 
 
@@ -99,26 +99,6 @@ def _check_model(model: nn.Module) -> None:
     bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if bad:
         raise ValueError(f"only floating-point parameters can be trained/sharded; not: {bad}")
-
-
-def _model_digest(model: nn.Module) -> int:
-    desc = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-    desc += [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    return int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:8], "big") >> 1
-
-
-def _agree(error: Exception | None, cfg: ZeroConfig | None, model: nn.Module) -> None:
-    """Every rank learns whether any rank failed, or has another config or model, and all raise."""
-    digests = agree(error, action="zeroshard.initialize",
-                    payload=None if error is not None else (cfg.digest(), _model_digest(model)))
-    cfg_differs = [r for r, (c, _) in enumerate(digests) if c != digests[0][0]]
-    if cfg_differs:
-        raise ConfigError(f"the zeroshard config differs between rank 0 and rank(s) {cfg_differs}; "
-                          "every rank must use the same config")
-    model_differs = [r for r, (_, m) in enumerate(digests) if m != digests[0][1]]
-    if model_differs:
-        raise ValueError(f"model parameters/buffers (names, shapes, dtypes, requires_grad) differ "
-                         f"between rank 0 and rank(s) {model_differs}")
 
 
 class ZeroEngine:
@@ -192,6 +172,7 @@ class ZeroEngine:
         # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
         self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
                                      int(z.allgather_bucket_size), device) if self.stage in (1, 2) else None
+        self.reset_comm_report()
 
     # -- set-up helpers ------------------------------------------------------------------------
 
@@ -201,7 +182,7 @@ class ZeroEngine:
             return
         with torch.no_grad():
             for t in (list(self.module.parameters()) if params else []) + list(self.module.buffers()):
-                dist.broadcast(t.data, src=0, group=self.group)
+                broadcast(t.data, 0, self.group)
 
     def _set_master(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Meta init at stage 3: keep this rank's range of a freshly initialized full parameter."""
@@ -315,7 +296,7 @@ class ZeroEngine:
                 sq += g.pow(2).sum()
             if self.shard_world_size > 1:
                 sq = sq.to(self.device)  # offloaded grads: the norm is summed on the host, reduced here
-                dist.all_reduce(sq, group=self.group)
+                all_reduce(sq, self.group)
             total = sq.item()
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             if self.scaler.enabled and not math.isfinite(norm):
@@ -378,6 +359,16 @@ class ZeroEngine:
 
     def eval(self) -> "ZeroEngine":
         return self.train(False)
+
+    def comm_report(self) -> dict[str, dict[str, float]]:
+        """What this process's collectives moved per optimizer step since initialize (or the last
+        reset_comm_report()), by kind (all_gather, reduce_scatter, all_reduce, broadcast) and in
+        `total`: calls, payload bytes/elements, and bytes/elements this rank sent by the ring
+        formulas (comm_ledger.py). Stages 0-2 send 2Ψ(N-1)/N elements per step, stage 3 3Ψ(N-1)/N."""
+        return comm_ledger.report(self._comm_since, self.global_steps - self._comm_steps_at, self.world_size)
+
+    def reset_comm_report(self) -> None:
+        self._comm_since, self._comm_steps_at = comm_ledger.LEDGER.snapshot(), self.global_steps
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now: params, grads, optimizer (incl. fp32 master), buffers, comm,

@@ -53,7 +53,9 @@ def zero_init(enabled: bool = True) -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta._zeroshard_zero_init = True  # so a mismatch can say "built under zero_init()" (agreement.py)
+            module._parameters[name] = meta
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.engine.collectives import Gather, buckets, start_gather
+from zeroshard.engine.collectives import Gather, broadcast, buckets, start_gather
 from zeroshard.engine.layout import ParamShard
 
 
@@ -59,7 +59,7 @@ class ParamRefresh:
         self._seen = None
         if self.world > 1:
             t = torch.tensor(order, dtype=torch.int64, device=self.device)
-            dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+            broadcast(t, dist.get_global_rank(self.group, 0), self.group)
             order = t.tolist()
         self._build(order)
 

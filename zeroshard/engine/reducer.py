@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.bucketing import greedy_groups
-from zeroshard.engine.collectives import reduce_scatter
+from zeroshard.engine.collectives import all_reduce, broadcast, reduce_scatter
 from zeroshard.engine.layout import ParamShard, flat_to_rows
 from zeroshard.errors import EngineUsageError
 
@@ -137,7 +137,7 @@ class GradReducer:
             self._alloc(bucket)
         if self.all_reduce:
             bucket.out = bucket.buf
-            bucket.work = dist.all_reduce(bucket.buf, group=self.group, async_op=self.overlap)
+            bucket.work = all_reduce(bucket.buf, self.group, async_op=self.overlap)
         else:
             bucket.out = torch.empty(bucket.total, dtype=self.dtype, device=bucket.buf.device)
             self._account(bucket.out.numel() * bucket.out.element_size())
@@ -188,7 +188,7 @@ class GradReducer:
         if not self.shards:
             return
         t = torch.tensor(seen + rest, dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        broadcast(t, dist.get_global_rank(self.group, 0), self.group)
         self._build(t.tolist())
 
     def held_bytes(self) -> int:

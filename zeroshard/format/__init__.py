@@ -7,7 +7,6 @@ from zeroshard.format.folder import (
     commit_checkpoint,
     load_manifest,
     open_checkpoint,
-    prepare_output_folder,
     resolve_checkpoint,
     update_latest,
 )
@@ -34,6 +33,6 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "CheckpointReader", "FileEntry", "Fragment",
     "HASH_TABLE_NAME", "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header",
     "check_manifest",
-    "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest", "prepare_output_folder",
+    "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest",
     "rank_contents", "rank_file_name", "resolve_checkpoint", "update_latest", "write_rank_file",
 ]

@@ -8,7 +8,7 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-from zeroshard.errors import CheckpointError, OutputExistsError
+from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -41,10 +41,15 @@ def resolve_checkpoint(location: Location) -> Location:
         _refuse_link(location, name)
         target = location.child(name)
         if not target.exists(MANIFEST_NAME):
-            raise CheckpointError(target.url, f"named by {LATEST_NAME} but holds no {MANIFEST_NAME}")
+            hint = foreign_checkpoint_hint(location)
+            raise CheckpointError(target.url if not hint else location.url,
+                                  hint or f"named by {LATEST_NAME} but holds no {MANIFEST_NAME}")
         return target
     if not location.exists():
         raise CheckpointError(location.url, "no such checkpoint (path does not exist)")
+    hint = foreign_checkpoint_hint(location)
+    if hint:
+        raise CheckpointError(location.url, hint)
     rank_files = [n for n in location.list() if is_rank_file_name(n)]
     if rank_files:
         raise CheckpointError(location.url, f"incomplete checkpoint: {len(rank_files)} rank files but no "
@@ -53,6 +58,35 @@ def resolve_checkpoint(location: Location) -> Location:
 
 
 MAX_LATEST_BYTES = 4096  # a folder name and a newline; anything longer is not a `latest` file
+
+
+def _is_deepspeed_file(name: str) -> bool:
+    return name.endswith(("_model_states.pt", "_optim_states.pt"))
+
+
+def foreign_checkpoint_hint(location: Location) -> str | None:
+    """What to run when `location` is a DeepSpeed or DCP checkpoint rather than ours (names
+    only: nothing foreign is read here), else None."""
+    if not location.exists():
+        return None
+    names = location.list()
+    what = None
+    if ".metadata" in names or any(n.startswith("pytorch_model_fsdp_") for n in names):
+        what = ("a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp")
+    elif any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
+        what = ("a DeepSpeed checkpoint", "deepspeed")
+    elif LATEST_NAME in names or any(n.startswith("global_step") for n in names):
+        for step in [n for n in names if n.startswith("global_step")][:3]:
+            try:
+                if any(_is_deepspeed_file(m) for m in location.child(step).list()):
+                    what = ("a DeepSpeed checkpoint folder", "deepspeed")
+                    break
+            except (OSError, ZeroshardError):
+                continue  # not a readable folder: no hint from it
+    if what is None:
+        return None
+    return (f"not a zeroshard checkpoint but {what[0]}: convert it first with "
+            f"`zeroshard import {what[1]} {location.url} OUT`, then use OUT")
 
 
 def _refuse_link(location: Location, name: str) -> None:
@@ -81,24 +115,6 @@ def open_checkpoint(url_or_location: str | Location, storage_options: dict | Non
     location = url_or_location if isinstance(url_or_location, Location) else Location(url_or_location, storage_options)
     resolved = resolve_checkpoint(location)
     return resolved, load_manifest(resolved)
-
-
-def prepare_output_folder(location: Location, overwrite: bool) -> list[str]:
-    """Make `location` ready to receive a new checkpoint; returns the names already there.
-
-    An existing, non-empty folder is refused unless `overwrite`. When overwriting, the old
-    manifest goes first, so the folder never looks like a complete checkpoint while it is
-    being rewritten; stale rank files are removed after the new manifest lands. (This loses the
-    old checkpoint if the new write fails: the toolkit uses format.output.prepare_output,
-    which keeps it until the new one commits.)
-    """
-    existing = location.list() if location.exists() else []
-    if existing and not overwrite:
-        raise OutputExistsError(location.url)
-    if MANIFEST_NAME in existing:
-        location.remove(MANIFEST_NAME)
-    location.makedirs()
-    return existing
 
 
 def commit_checkpoint(location: Location, manifest: Manifest, previous_names: list[str] = (),

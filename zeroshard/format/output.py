@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
-from zeroshard.errors import OutputExistsError
+from zeroshard.errors import OutputExistsError, ZeroshardError
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.identity import check_output_apart
@@ -100,16 +101,20 @@ class PreparedOutput:
 def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location] = (),
                    stage_always: bool = False) -> PreparedOutput:
     """Make `target` ready to receive a new output; refuses one that exists unless `overwrite`.
-    `stage_always`: stage even into an empty folder, for writers (a foreign library's) whose
-    files `zeroshard clean` could not otherwise tell from a finished output's if interrupted."""
+    A local output is always staged, even into an empty folder: a killed run then leaves only a
+    stage and a claim (`zeroshard clean` removes both), never visible files without their commit
+    file; moving them up is a rename. Remote outputs are staged only over an existing output (a
+    move there is a server-side copy) or with `stage_always` (writers whose files clean could
+    not otherwise tell from a finished output's)."""
     check_output_apart(target, list(inputs))
+    refuse_file_in_the_way(target)
     claim = take_claim(target)
     try:
         remove_leftovers_of_others(target)
         existing = [n for n in target.list() if not n.startswith(TEMP_PREFIX) and n != CLAIM_NAME]
         if existing and not overwrite:
             raise OutputExistsError(target.url)
-        staged = existing or stage_always
+        staged = existing or stage_always or target.local
         stage = target.child(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-stage") if staged else target
         stage.makedirs()
     except BaseException:
@@ -127,11 +132,28 @@ def prepare_file_output(folder: Location, name: str, overwrite: bool, inputs: It
     lands): refuse overlap with an input and an existing file unless `overwrite`; remove temp
     files of dead writers of this very name (no claim here: a live writer's are left alone)."""
     check_output_apart(folder, list(inputs), name)
+    refuse_file_in_the_way(folder)
+    if folder.local and os.path.isdir(os.path.join(folder.path, name)):
+        raise ZeroshardError(f"{folder.url_of(name)}: exists and is a folder, not a file; pass another output path")
     for leftover in find_leftovers(folder, recursive=False):
         if leftover.kind == "temp file" and leftover.alive is False and leftover.url.endswith("-" + name):
             leftover.remove()
     if folder.exists(name) and not overwrite:
         raise OutputExistsError(folder.url_of(name))
+
+
+def refuse_file_in_the_way(target: Location) -> None:
+    """A local output folder (or a folder above it) that exists as a file is one line naming it,
+    not the OS's "File exists" / "Not a directory" from deep inside the claim. (On object stores
+    a key and a prefix of the same name coexist: nothing to refuse.)"""
+    if not target.local:
+        return
+    path = target.path
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        where = target.url if path == target.path else path
+        raise ZeroshardError(f"{where}: exists and is a file, not a folder; pass another output path")
 
 
 def output_transaction(fn: F) -> F:

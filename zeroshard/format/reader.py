@@ -46,13 +46,19 @@ def fragments_of(tensor: TensorEntry, world_size: int, start: int = 0,
 
 
 def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[str]:
-    """Disagreements between a rank file's header and the manifest, as messages."""
+    """Disagreements between a rank file's header and the manifest, as messages (the most
+    telling first: CheckpointReader reports only that one)."""
     problems = []
     meta = header.metadata
+    table = header.entries.get(HASH_TABLE_NAME)
+    # A file of the other format version explains every other difference: say that, once.
+    version_problem = _version_mismatch(meta.get("format_version"), table is not None, manifest.version)
+    if version_problem:
+        problems.append(version_problem)
     expected = {"format_version": manifest.version, "checkpoint_id": manifest.id,
                 "rank": str(file.rank), "world_size": str(manifest.world_size)}
     for key, value in expected.items():
-        if meta.get(key) != value:
+        if meta.get(key) != value and not (key == "format_version" and version_problem):
             problems.append(f"header {key} is {str(meta.get(key))[:40]!r}, manifest expects {value!r}"
                             + (" (a file from another save?)" if key == "checkpoint_id" else ""))
     if header.file_size != file.size:
@@ -67,19 +73,33 @@ def check_header(header: Header, file: FileEntry, manifest: Manifest) -> list[st
         elif entry.shape != (end - start,):
             problems.append(f"tensor {t.name!r} has shape {list(entry.shape)} in the file, manifest fragment has "
                             f"{end - start} elements")
-    expected_count = len(contents)
+    known = {t.name for t, _, _ in contents}
     if manifest.legacy_hashes is None:
-        table = header.entries.get(HASH_TABLE_NAME)
-        if table is None or table.dtype != "U64" or table.shape != (expected_count,):
-            problems.append(f"fragment hash table {HASH_TABLE_NAME!r} is missing or not U64[{expected_count}]")
-        elif table.end != header.file_size:
+        known.add(HASH_TABLE_NAME)
+        if table is not None and (table.dtype != "U64" or table.shape != (len(contents),)):
+            problems.append(f"fragment hash table {HASH_TABLE_NAME!r} is {table.dtype}{list(table.shape)}, "
+                            f"expected U64[{len(contents)}] (one hash per tensor in the file)")
+        elif table is not None and table.end != header.file_size:
             problems.append(f"fragment hash table {HASH_TABLE_NAME!r} is not the file's last tensor")
-        expected_count += 1
-    if len(header.entries) != expected_count:
-        known = {t.name for t, _, _ in contents} | {HASH_TABLE_NAME}
-        stray = next((n for n in header.entries if n not in known), None)
-        problems.append(f"tensor {str(stray)[:80]!r} is in the file but not in the manifest")
+    stray = [n for n in header.entries if n not in known and not (n == HASH_TABLE_NAME and version_problem)]
+    if stray:
+        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+        problems.append(f"tensor {stray[0][:80]!r} is in the file but not in the manifest{more}")
     return problems
+
+
+def _version_mismatch(file_version: object, has_table: bool, manifest_version: str) -> str | None:
+    """The message for a rank file whose hash table says it is of another format version than
+    the manifest's (1.1 files carry a fragment hash table, 1.0 files do not), else None."""
+    said = "" if file_version == manifest_version else f"; its header says format {str(file_version)[:40]!r}"
+    if manifest_version != "1.0" and not has_table:
+        why = "written by format 1.0" if file_version == "1.0" else "written by format 1.0, or removed?"
+        return (f"no fragment hash table {HASH_TABLE_NAME!r} in its header ({why}{said}) but the manifest says "
+                f"format {manifest_version}")
+    if manifest_version == "1.0" and has_table:
+        return (f"has a fragment hash table {HASH_TABLE_NAME!r} (written by format 1.1 or later{said}) but the "
+                "manifest says format 1.0")
+    return None
 
 
 def expected_header(file: FileEntry, manifest: Manifest) -> tuple[bytes, Header]:

@@ -1,23 +1,30 @@
-"""Reading a DCP checkpoint (FSDP2's `dcp.save({"model": ..., "optim": ...})`) into an Imported,
-in one process, without a process group.
+"""Reading a DCP checkpoint into an Imported, in one process, without a process group.
 
 `.metadata` (dcp_metadata.py) lists every tensor's chunks and where each chunk's bytes are
 (`storage_data`: file, offset, length); with torch's default writer each chunk is a small
 torch.save blob, read here with weights_only=True from exactly that byte range. Non-tensor
 values (param-group hyperparameters) are torch.save'd objects, read the same way.
-Names: `model.<fqn>` are weights and buffers; `optim.state.<fqn>.<key>` the optimizer state;
-`optim.param_groups.<i>.<key>` the groups, whose `params` are FQNs (get_optimizer_state_dict's
-layout). `planner_data` gives each flat key its path, so FQNs containing dots are unambiguous.
+`planner_data` gives each flat key its path; dcp_layouts.py decides from the paths which
+layout this is (model under `model` or at the top level, optimizer nested or flattened under
+`optim`/`optimizer`, torchtitan's extras) and refuses what fits none. An Accelerate
+`save_state` folder (`pytorch_model_fsdp_0/` + `optimizer_0/`) is read as one checkpoint.
+
+Parameters: with optimizer state, the parameters are what the optimizer covers; the other
+model tensors are tied copies (equal to a parameter, not constant) or buffers. Without it
+(model-only), every floating tensor is a parameter except tied copies and names matching
+`buffers` (a regex, fullmatch); non-floating tensors are buffers.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Any
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.training_state import scalar_json, to_json_value
+from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, optimizer_class_of
 from zeroshard.interop.torch_pickle import STAND_INS, open_inside
@@ -83,73 +90,251 @@ def _assemble(folder: str, metadata: Any, key: str, entry: Any, chunks: dict) ->
     return full
 
 
-def read_dcp(src: str) -> Imported:
-    """Read the DCP checkpoint folder `src`."""
+ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+
+
+class _Source:
+    """One DCP folder: its checked metadata and the storage entry of each chunk."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.metadata = load_metadata(os.path.join(folder, ".metadata"))
+        storage = getattr(self.metadata, "storage_data", None) or {}
+        self.files = {i.relative_path for i in storage.values()}
+        self.chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
+                       for index, info in storage.items()}
+
+    def read(self, key: str) -> Any:
+        entry = self.metadata.state_dict_metadata[key]
+        if type(entry).__name__ == "TensorStorageMetadata":
+            return _assemble(self.folder, self.metadata, key, entry, self.chunks)
+        info = self.chunks.get((key, None)) or next((i for (k, _), i in self.chunks.items() if k == key), None)
+        if info is None:
+            raise CheckpointError(self.folder, f"{key}: no storage entry")
+        return _read_blob(self.folder, info, key)
+
+
+def _has_metadata(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ".metadata"))
+
+
+def _sources(folder: str) -> tuple[list[_Source], list[str]]:
+    """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair)."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, "no such DCP checkpoint folder")
+    if _has_metadata(folder):
+        notes = []
+        sibling = os.path.join(os.path.dirname(os.path.abspath(folder)), ACCELERATE_OPTIMIZER)
+        if os.path.basename(os.path.abspath(folder)) == ACCELERATE_MODEL and _has_metadata(sibling):
+            notes.append(f"the optimizer state is in the sibling {ACCELERATE_OPTIMIZER}/, not imported: "
+                         "import the folder holding both to take it")
+        return [_Source(folder)], notes
+    if not _has_metadata(os.path.join(folder, ACCELERATE_MODEL)):
+        raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
+                                      f"{ACCELERATE_MODEL}/.metadata)")
+    names = sorted(os.listdir(folder))
+    extra_models = [n for n in names if re.fullmatch(r"pytorch_model_fsdp_[1-9]\d*", n)]
+    extra_optims = [n for n in names if re.fullmatch(r"optimizer_[1-9]\d*", n)]
+    if extra_models or extra_optims:
+        raise CheckpointError(folder, f"an Accelerate save_state of several models or optimizers "
+                                      f"({', '.join(extra_models + extra_optims)}): only one of each is supported")
+    sources = [_Source(os.path.join(folder, ACCELERATE_MODEL))]
+    if _has_metadata(os.path.join(folder, ACCELERATE_OPTIMIZER)):
+        sources.append(_Source(os.path.join(folder, ACCELERATE_OPTIMIZER)))
+    rest = [n for n in names if n not in (ACCELERATE_MODEL, ACCELERATE_OPTIMIZER)]
+    notes = [f"Accelerate save_state: not imported (pickles are not read): {', '.join(rest)}"] if rest else []
+    return sources, notes
+
+
+def _buffer_pattern(buffers: str | None) -> re.Pattern | None:
+    if not buffers:
+        return None
+    try:
+        return re.compile(buffers)
+    except re.error as exc:
+        raise ZeroshardError(f"--buffers {buffers!r} is not a regular expression: {exc}") from None
+
+
+def _constant(t: Any) -> bool:
+    return t.numel() <= 1 or bool((t == t.reshape(-1)[0]).all())
+
+
+def _tie_of(name: str, value: Any, params: dict[str, Any]) -> str | None:
+    """The parameter `value` is a tied copy of: equal elements, same shape and dtype, and not a
+    constant (fresh norms and biases are equal without being the same parameter)."""
+    import torch
+
+    if not value.is_floating_point() or _constant(value):
+        return None
+    return next((p for p, t in params.items() if p != name and t.shape == value.shape and t.dtype == value.dtype
+                 and torch.equal(t, value)), None)
+
+
+def _flat_groups(folder: str, options: dict[str, dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    """Param groups from a flattened optimizer (`param_groups.<fqn>.<k>`): it does not record
+    which group a parameter was in nor the groups' order, so parameters with equal
+    hyperparameters form one group, groups and members in the model's order."""
+    groups: list[dict[str, Any]] = []
+    for fqn in order:
+        if fqn not in options:
+            continue
+        opts = {k: to_json_value(v, f"param group option {k!r} of {fqn}") for k, v in options[fqn].items()}
+        same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == opts), None)
+        if same is None:
+            groups.append({**opts, "params": [fqn]})
+        else:
+            same["params"].append(fqn)
+    return groups
+
+
+def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat: dict[str, dict[str, Any]],
+            order: list[str], notes: list[str]) -> list[dict[str, Any]]:
+    """The param groups as JSON with `params` lists of FQNs, from either optimizer layout."""
+    if layout.flattened:
+        groups = _flat_groups(folder, flat, order)
+        if groups:
+            notes.append(f"param groups rebuilt from the flattened optimizer state: {len(groups)} group(s) of equal "
+                         "hyperparameters, in model order (if your optimizer's groups differ, the engine keeps "
+                         "its own hyperparameters on load)")
+        return groups
+    listless = [str(i) for i in sorted(nested) if not isinstance(nested[i].get("params"), (list, tuple))]
+    if listless:
+        raise CheckpointError(folder, f"param group(s) {', '.join(listless)} of '{layout.optimizer_prefix}' have "
+                                      "no `params` list: which parameters they hold is unknown")
+    return [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
+             "params": [str(n) for n in g["params"]]}
+            for g in (nested[i] for i in sorted(nested))]
+
+
+def read_dcp(src: str, buffers: str | None = None) -> Imported:
+    """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder). `buffers`: a
+    regex; model tensors whose name matches it in full are buffers, not parameters."""
     import torch
 
     folder = src.rstrip("/") or "/"
-    if not os.path.isdir(folder):
-        raise CheckpointError(folder, "no such DCP checkpoint folder")
-    if not os.path.isfile(os.path.join(folder, ".metadata")):
-        raise CheckpointError(folder, "not a DCP checkpoint: no .metadata file")
-    metadata = load_metadata(os.path.join(folder, ".metadata"))
-    storage = getattr(metadata, "storage_data", None) or {}
-    chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
-              for index, info in storage.items()}
+    pattern = _buffer_pattern(buffers)
+    sources, notes = _sources(folder)
+    owner: dict[str, _Source] = {}
+    paths: dict[str, tuple] = {}
+    for source in sources:
+        for key in source.metadata.state_dict_metadata:
+            if key in owner:
+                raise CheckpointError(folder, f"{key}: in both {owner[key].folder} and {source.folder}")
+            owner[key], paths[key] = source, _path_of(source.metadata, key)
+    tensors = {k: len(e.size) for k, e in ((k, s.metadata.state_dict_metadata[k]) for k, s in owner.items())
+               if type(e).__name__ == "TensorStorageMetadata"}
+    layout: Layout = classify(folder, paths, tensors)
 
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
-    groups: dict[int, dict[str, Any]] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        path = _path_of(metadata, key)
-        if type(entry).__name__ == "TensorStorageMetadata":
-            value = _assemble(folder, metadata, key, entry, chunks)
+    nested: dict[int, dict[str, Any]] = {}
+    flat: dict[str, dict[str, Any]] = {}
+    extras: dict[str, Any] = {}
+    for key, slot in layout.slots.items():
+        value = owner[key].read(key)
+        if slot.kind == "model":
+            model[slot.fqn] = value
+        elif slot.kind == "state":
+            state.setdefault(slot.fqn, {})[slot.key] = value
+        elif slot.kind == "group" and slot.group is not None:
+            nested.setdefault(slot.group, {})[slot.key] = value
+        elif slot.kind == "group":
+            flat.setdefault(slot.fqn, {})[slot.key] = value
         else:
-            info = chunks.get((key, None)) or next((i for (k, _), i in chunks.items() if k == key), None)
-            if info is None:
-                raise CheckpointError(folder, f"{key}: no storage entry")
-            value = _read_blob(folder, info, key)
-        if path[0] == "model" and len(path) == 2:
-            model[str(path[1])] = value
-        elif path[:2] == ("optim", "state") and len(path) == 4:
-            state.setdefault(str(path[2]), {})[str(path[3])] = value
-        elif path[:2] == ("optim", "param_groups") and len(path) == 4:
-            groups.setdefault(int(path[2]), {})[str(path[3])] = value
-        # anything else (a user's extra entries) is not ours to map
-    if not model:
-        raise CheckpointError(folder, "no 'model.*' entries: expected dcp.save({'model': ..., 'optim': ...})")
+            extras[slot.key] = value
 
-    ordered_groups = [groups[i] for i in sorted(groups)]
-    in_groups = [str(n) for g in ordered_groups for n in (g.get("params") or [])]
-    names = in_groups or [n for n in state if n in model]
-    missing = [n for n in names if n not in model]
-    if missing:
-        raise CheckpointError(folder, f"optimizer names parameters absent from the model: {', '.join(missing)}")
+    groups = _groups(folder, layout, nested, flat, list(model), notes)
+    in_groups = [n for g in groups for n in g["params"]]
+    absent = [n for n in list(dict.fromkeys(in_groups)) + [n for n in state if n not in in_groups]
+              if n not in model]
+    if absent:
+        raise CheckpointError(folder, f"optimizer names parameters absent from the model: {', '.join(absent)}")
+    if in_groups and any(n not in in_groups for n in state):
+        raise CheckpointError(folder, "optimizer state for parameters in no param group: "
+                                      + ", ".join(n for n in state if n not in in_groups))
+    forced = {n for n in model if pattern is not None and pattern.fullmatch(n)}
+    if pattern is not None and not forced:
+        raise CheckpointError(folder, f"--buffers {buffers!r} matches no model tensor's full name")
+    if layout.optimizer_prefix:
+        names = in_groups or [n for n in model if n in state]
+        clash = [n for n in names if n in forced]
+        if clash:
+            raise CheckpointError(folder, f"--buffers matches parameters the optimizer holds: {', '.join(clash)}")
+    else:
+        names = [n for n in model if model[n].is_floating_point() and n not in forced]
+
     imp = Imported(source=f"dcp:{os.path.abspath(folder)}", params={}, zero_stage=3,
-                   world_size=len({i.relative_path for i in storage.values()}) or 1)
+                   world_size=max(len(s.files) for s in sources) or 1)
     for name in names:
+        if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params) is not None:
+            continue  # a tied copy of a parameter already taken: an alias, below
         imp.params[name] = model[name].float()
         per_elem = {k: v for k, v in state.get(name, {}).items() if torch.is_tensor(v) and v.dim() >= 1}
-        imp.optimizer_state[name] = {k: v.reshape(-1) for k, v in per_elem.items()}
-        imp.scalar_state[name] = {k: scalar_json(v, f"optimizer state {k!r}")
-                                  for k, v in state.get(name, {}).items() if k not in per_elem}
+        wrong = [k for k, v in per_elem.items() if v.numel() != model[name].numel()]
+        if wrong:
+            raise CheckpointError(folder, f"{name}: optimizer state {', '.join(wrong)} does not have the "
+                                          f"parameter's {model[name].numel()} elements")
+        if layout.optimizer_prefix:
+            imp.optimizer_state[name] = {k: v.reshape(-1) for k, v in per_elem.items()}
+            imp.scalar_state[name] = {k: scalar_json(v, f"optimizer state {k!r} of {name}")
+                                      for k, v in state.get(name, {}).items() if k not in per_elem}
+    left_as_buffers = []
     for name, value in model.items():
         if name in imp.params:
             continue
-        twin = next((p for p in names
-                     if imp.params[p].shape == value.shape and torch.equal(imp.params[p], value.float())),
-                    None) if value.is_floating_point() else None
+        twin = None if name in forced else _tie_of(name, value.float() if value.is_floating_point() else value,
+                                                   imp.params)
         if twin is not None and name not in state:
             imp.aliases[name] = twin  # a tied weight: saved twice by the state dict, one parameter
         else:
             imp.buffers[name] = value
-    imp.param_groups = [{**{k: to_json_value(v, f"param group option {k!r}") for k, v in g.items() if k != "params"},
-                         "params": list(map(str, g["params"]))}
-                        for g in ordered_groups if g.get("params") is not None]
-    imp.optimizer_class = optimizer_class_of(imp.param_groups)
+            if value.is_floating_point() and name not in forced:
+                left_as_buffers.append(name)
+    imp.param_groups = groups
+    imp.optimizer_class = optimizer_class_of(groups) if layout.optimizer_prefix else None
     steps = [v["step"]["value"] for v in imp.scalar_state.values() if "step" in v]
-    imp.global_steps = imp.micro_steps = int(steps[0]) if steps else 0
+    _carry_extras(imp, extras, notes)
+    trained = imp.client_state.get("train_state", {}).get("step") if isinstance(imp.client_state, dict) else None
+    imp.global_steps = imp.micro_steps = int(steps[0]) if steps else int(trained) if isinstance(trained, int) else 0
+
+    notes.insert(0, f"DCP layout: {layout.name}")
+    if not layout.optimizer_prefix:
+        notes.append(f"no optimizer state in the source: {len(imp.params)} floating tensor(s) imported as "
+                     f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); name "
+                     "buffers with --buffers REGEX; the engine's optimizer starts fresh")
+    elif left_as_buffers:
+        notes.append(f"floating tensors the optimizer does not hold, imported as buffers: {', '.join(left_as_buffers)}")
     if imp.aliases:
-        imp.notes.append("tied weights recognised by equal values: " +
-                         ", ".join(f"{a} -> {t}" for a, t in imp.aliases.items()))
+        notes.append("tied weights recognised by equal values: " +
+                     ", ".join(f"{a} -> {t}" for a, t in imp.aliases.items()))
+    imp.notes.extend(notes)
     return imp
+
+
+def _carry_extras(imp: Imported, extras: dict[str, Any], notes: list[str]) -> None:
+    """torchtitan's lr_scheduler / dataloader / train_state and other non-tensor entries into
+    client state, nested back by their dotted paths, when they are JSON data; the rest named."""
+    if not extras:
+        return
+    client: dict[str, Any] = {}
+    dropped = []
+    for key, value in extras.items():
+        try:
+            value = to_json_value(value, key)
+        except TypeError:
+            dropped.append(f"{key} ({type(value).__name__})")
+            continue
+        *parents, last = key.split(".")
+        node = client
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                dropped.append(key)
+                break
+        else:
+            node[last] = value
+    imp.client_state = client or None
+    if client:
+        notes.append(f"carried into client_state: {', '.join(sorted(client))}")
+    if dropped:
+        notes.append(f"not imported (not JSON data): {', '.join(dropped)}")

@@ -6,12 +6,19 @@ Stale means: its owner was a process of this host that is gone, or (owner unknow
 host, an S3 upload) it is older than the age given. A live writer's leftover is never stale.
 A staging folder that holds a complete new checkpoint whose swap into place was interrupted is
 never removed (see docs/SAFETY.md): it may be the only complete copy.
+
+One more kind has no hidden name: the output files of a writer that wrote straight into an
+empty folder (an S3 output; a local one by zeroshard before 0.1.1) and died before its commit
+file. They are recognized by the dead writer's claim beside them, our output names (rank files,
+HF shards `model-N-of-M`), and no commit file (manifest, HF index) nor interrupted swap there;
+they take the claim's owner and age.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,12 +31,17 @@ from zeroshard.storage.owner import owner_alive, owner_of_temp
 # the stage may hold the only copy of part of the new output, and is never removed as stale.
 SWAP_MARKER = ".zeroshard-swapping"
 KEEP_REASON = "its swap into place was interrupted: it holds part of the new output; move its files up"
+# What an output writer names its files, and the files that commit them (format.manifest and
+# format.full_model spell them; repeated here, below the format layer). A single `model.safetensors`
+# has no commit file, so it is never taken for an uncommitted output.
+_OUTPUT_FILE = re.compile(r"^rank-\d{5,}-of-\d{5,}\.safetensors$|^model-\d{5}-of-\d{5}\.safetensors$")
+_COMMIT_FILES = ("zeroshard.json", "model.safetensors.index.json")
 
 
 @dataclass
 class Leftover:
     url: str
-    kind: str  # "temp file", "staging folder", "claim", "multipart upload"
+    kind: str  # "temp file", "staging folder", "claim", "multipart upload", "uncommitted file"
     size: int
     age_s: float | None
     alive: bool | None  # its owner process: True/False on this host, None when unknown
@@ -84,6 +96,23 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
             out.append(Leftover(url, "claim", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif recursive and entry.is_dir(follow_symlinks=False):  # never into a link: it leads elsewhere
             out.extend(_find_local(location, entry.path, recursive))
+    return out + _uncommitted(out, {e.name: e for e in entries}, location.url + "/"
+                              + os.path.relpath(path, location.path).replace(os.sep, "/"), now)
+
+
+def _uncommitted(found: list[Leftover], entries: dict[str, os.DirEntry], url: str, now: float) -> list[Leftover]:
+    """Output files a dead writer put straight into this folder before its commit (module docstring)."""
+    url = url[:-2] if url.endswith("/.") else url
+    claim = next((x for x in found if x.kind == "claim" and x.url == f"{url}/{CLAIM_NAME}"), None)
+    if claim is None or any(name in entries for name in _COMMIT_FILES) or any(
+            x.keep and x.url.rsplit("/", 1)[0] == url for x in found):
+        return []
+    out = []
+    for name, entry in entries.items():
+        if _OUTPUT_FILE.match(name) and entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            age = _younger(now - st.st_mtime, claim.age_s)
+            out.append(Leftover(f"{url}/{name}", "uncommitted file", st.st_size, age, claim.alive, _unlink(entry.path)))
     return out
 
 
@@ -154,6 +183,7 @@ def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
                 pass
             out.append(Leftover(f"{location.url}/{'/'.join(parts)}", "claim", int(info.get("size") or 0),
                                 _age(info, now), owner_alive(owner), _rm(fs, key)))
+    out.extend(_uncommitted_remote(fs, location, root, found, out, groups, now))
     for rel, infos in groups.items():
         name = rel.rsplit("/", 1)[-1]
         full = f"{root}/{rel}"
@@ -164,6 +194,32 @@ def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
                             sum(int(i.get("size") or 0) for i in infos), min(ages) if ages else None,
                             owner_alive(owner_of_temp(name, TEMP_PREFIX)), _rm(fs, full, recursive=is_folder), keep))
     return out
+
+
+def _uncommitted_remote(fs, location: Location, root: str, found: dict, claims: list[Leftover],
+                        stages: dict[str, list[dict]], now: float) -> list[Leftover]:
+    """Object-store twin of _uncommitted: per folder holding a claim."""
+    out = []
+    for claim in claims:
+        folder = claim.url[len(location.url):].strip("/").rpartition("/")[0]  # relative, "" for the root
+        prefix = f"{folder}/" if folder else ""
+        swapping = any(rel.startswith(prefix) and "/" not in rel[len(prefix):]
+                       and any(i["name"].endswith("/" + SWAP_MARKER) for i in infos) for rel, infos in stages.items())
+        names = {key[len(root):].strip("/")[len(prefix):]: (key, info) for key, info in found.items()
+                 if key[len(root):].strip("/").startswith(prefix)}
+        if swapping or any(name in names for name in _COMMIT_FILES):
+            continue
+        for name, (key, info) in names.items():
+            if "/" not in name and _OUTPUT_FILE.match(name):
+                age = _age(info, now)
+                out.append(Leftover(f"{location.url}/{prefix}{name}", "uncommitted file", int(info.get("size") or 0),
+                                    _younger(age, claim.age_s), claim.alive, _rm(fs, key)))
+    return out
+
+
+def _younger(a: float | None, b: float | None) -> float | None:
+    """The more recent of two ages: the writer was active then (an unknown age is ignored)."""
+    return min(a, b) if a is not None and b is not None else a if b is None else b
 
 
 def _find_uploads(location: Location, recursive: bool) -> list[Leftover]:

@@ -7,7 +7,10 @@ No scheduler of our own: torchrun starts the processes and a gloo group (over TC
 carries a few small messages. Every process reads the manifest; rank 0 prepares the output;
 the output files are dealt out as disjoint tasks (zeroshard.toolkit.transfer), each process
 writes its share rank-major and makes it durable; rank 0 commits (manifest or HF index) only
-after every process reported success, so a failure anywhere commits nothing. Inputs and the
+after every process reported success, so a failure anywhere commits nothing. Before anything is
+prepared, the processes agree that they were started alike: each sends its normalized arguments
+and the digest of the manifest it read, and if any differ all refuse, naming the difference
+(processes started with another --to or another checkpoint would otherwise commit a mix). Inputs and the
 output folder must be reachable by every process under the same path (a shared filesystem).
 One big consolidated file is shared by tensor ranges across processes, which needs a
 filesystem with coherent concurrent writes to one file (local, Lustre, GPFS): on NFS use
@@ -17,6 +20,7 @@ filesystem with coherent concurrent writes to one file (local, Lustre, GPFS): on
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import uuid
@@ -24,8 +28,11 @@ from typing import Any
 
 from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import FileEntry, RankFileResult, build_manifest, open_checkpoint, update_latest
+from zeroshard.format import FileEntry, RankFileResult, build_manifest, update_latest
+from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
+from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from zeroshard.format.output import PreparedOutput, prepare_output
+from zeroshard.storage.identity import identity
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
@@ -38,15 +45,25 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
     import torch.distributed as dist
 
     rank, procs = dist.get_rank(), dist.get_world_size()
-    given = Location(ckpt, storage_options)
-    source, manifest = open_checkpoint(given)
-    as_root = source.url != given.url
+    opened: dict[str, Any] = {}
+
+    def setup() -> dict[str, str]:
+        given = Location(ckpt, storage_options)
+        source, manifest, digest = _open_source(given)
+        as_root = source.url != given.url
+        out_root = Location(out, storage_options)
+        target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
+        if not target.local:
+            raise ZeroshardError(f"{target.url}: distributed reshard writes to a shared filesystem path")
+        opened.update(given=given, source=source, manifest=manifest, as_root=as_root, out_root=out_root, target=target)
+        return _arguments("reshard", given, source, manifest, digest, {
+            "--to": world_size, "-o": _where(target), "--overwrite": overwrite, "-j": workers})
+
+    _same_everywhere(_agree(setup))  # before anything is prepared: nothing written if they differ
+    given, source, manifest = opened["given"], opened["source"], opened["manifest"]
+    as_root, out_root, target = opened["as_root"], opened["out_root"], opened["target"]
     keep_local = world_size == manifest.world_size
     specs = [t for t in manifest.tensors.values() if keep_local or t.layout != "local"]
-    out_root = Location(out, storage_options)
-    target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
-    if not target.local:
-        raise ZeroshardError(f"{target.url}: distributed reshard writes to a shared filesystem path")
 
     prepared: list[PreparedOutput] = []  # process 0's: identity, claim, stage (docs/SAFETY.md)
 
@@ -89,12 +106,25 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     from zeroshard.toolkit import consolidate as single
 
     rank, procs = dist.get_rank(), dist.get_world_size()
-    source, manifest = open_checkpoint(ckpt, storage_options)
-    folder, names, shards, total, single_file = single.plan(source, manifest, out, dtype=dtype,
-                                                            max_shard_size=max_shard_size)
+    opened: dict[str, Any] = {}
+
+    def setup() -> dict[str, str]:
+        given = Location(ckpt, storage_options)
+        source, manifest, digest = _open_source(given)
+        folder, names, shards, total, single_file = single.plan(source, manifest, out, dtype=dtype,
+                                                                max_shard_size=max_shard_size)
+        if not folder.local:
+            raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
+        opened.update(source=source, manifest=manifest, plan=(folder, names, shards, total, single_file))
+        size = None if max_shard_size is None else single.parse_size(max_shard_size)
+        return _arguments("consolidate", given, source, manifest, digest, {
+            "OUT": _where(folder, names[0] if single_file else ""), "--max-shard-size": size, "--dtype": dtype,
+            "--overwrite": overwrite, "-j": workers})
+
+    _same_everywhere(_agree(setup))  # before anything is prepared: nothing written if they differ
+    source, manifest = opened["source"], opened["manifest"]
+    folder, names, shards, total, single_file = opened["plan"]
     prepared: list[PreparedOutput | None] = []  # process 0's (None for a single file: replaced atomically)
-    if not folder.local:
-        raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False)
              for name, shard in zip(names, shards)]
@@ -137,6 +167,51 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
                 prepared[0].abandon()
         raise
     return [folder.url_of(name) for name in names]
+
+
+# ---- agreeing on what to do -------------------------------------------------------------------
+def _open_source(given: Location) -> tuple[Location, Manifest, str]:
+    """The checkpoint behind `given`, its manifest, and the SHA-256 of the manifest's bytes (read
+    once: the manifest agreed on is the one used)."""
+    source = resolve_checkpoint(given)
+    raw = read_manifest_bytes(source)
+    return source, parse_manifest(raw, source.url_of(MANIFEST_NAME)), hashlib.sha256(raw).hexdigest()
+
+
+def _where(location: Location, name: str = "") -> str:
+    """A path as every process should see it: resolved (links, `..`, the working directory)."""
+    return ":".join(identity(location, name))
+
+
+def _arguments(command: str, given: Location, source: Location, manifest: Manifest, digest: str,
+               options: dict[str, Any]) -> dict[str, str]:
+    """What this process was asked to do, normalized; equal on every process or nobody writes."""
+    from zeroshard import __version__
+
+    described = {"command": command, "CKPT": _where(given), "checkpoint folder": _where(source)}
+    described.update({flag: str(value) for flag, value in options.items()})
+    described.update({"zeroshard version": __version__, "manifest id": manifest.id, "manifest sha256": digest})
+    return described
+
+
+def _same_everywhere(described: list[dict[str, str]]) -> None:
+    """Raise the same one-line error on every process if any was started differently from process 0."""
+    problems = []
+    for rank, mine in enumerate(described[1:], start=1):
+        differ = [key for key in described[0] if mine.get(key) != described[0][key]]
+        manifest = [key for key in differ if key.startswith("manifest")]
+        said = [f"process {rank} was started with {key} {mine.get(key)}, process 0 with {key} {described[0][key]}"
+                for key in differ if key not in manifest]
+        if manifest:
+            key = manifest[0]  # the id when it differs, else the bytes' hash
+            said.append(f"process {rank} reads a different checkpoint ({key} {mine[key][:32]} vs "
+                        f"{described[0][key][:32]})")
+        if said:
+            problems.append("; ".join(said))
+    if problems:
+        more = f" (and {len(problems) - 3} more processes)" if len(problems) > 3 else ""
+        raise ZeroshardError("the processes of this run were not started alike, so none writes anything: "
+                             + "; ".join(problems[:3]) + more)
 
 
 def _finished_stubs(plans: list, temp_paths: dict[int, str]) -> list:

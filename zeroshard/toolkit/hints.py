@@ -16,7 +16,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 def next_step(exc: ZeroshardError, storage_options: dict | None = None) -> str | None:
     """A short sentence saying what to do about `exc`, or None when there is nothing to add."""
     where = getattr(exc, "where", None)
-    if not isinstance(where, str):
+    if not isinstance(where, str) or "zeroshard import" in str(exc):  # the reader named the command already
         return None
     try:
         # only where a pickle was taken for safetensors: import's own refusals of pickles say enough

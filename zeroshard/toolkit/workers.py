@@ -4,11 +4,21 @@ Work on big files spends its time in calls that release the GIL (pread, pwrite, 
 run it in parallel at no start-up cost. Work on many small files is Python bookkeeping per piece:
 that needs processes (spawned: no torch, no fork of a process with threads), each paying a
 start-up of a few tenths of a second.
+
+Worker processes die with the process that started them, even when it is SIGKILLed (nothing
+of ours runs then): otherwise they would wait forever on a task queue nobody writes to. On
+Linux the kernel sends them SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread in each worker
+polls its parent. Both check once, after setting up, that the parent is still the one that
+started them: one that died during the worker's start-up is not reported.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,4 +43,33 @@ def worker_pool(workers: int, file_sizes: list[int]) -> Executor:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=die_with_parent, initargs=(os.getpid(),))
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """Worker initializer: make this process end when `parent` does (see the module docstring).
+    PR_SET_PDEATHSIG fires when the thread that spawned us ends, so pools are made and fed from
+    a thread that outlives them (toolkit commands: the main thread)."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # it died before the kernel was told to watch it
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), name="zeroshard-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int, every_s: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)

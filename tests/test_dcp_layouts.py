@@ -1,0 +1,402 @@
+"""`zeroshard import dcp` of every DCP layout real tools write: each checkpoint here is made by
+the real tool or the real `torch.distributed.checkpoint` call (FSDP2 at world 2 on gloo), and
+the import resumes with the tool's own next losses (1e-5), or is refused in one line naming
+what it did not understand.
+
+ - FSDP2 `get_state_dict(flatten_optimizer_state_dict=True)` under "optim" (torchtitan's choice);
+ - FSDP2 `{"model": ..., "optimizer": ...}` (the key Accelerate and many repos use);
+ - model-only `{"model": ...}` and a plain `dcp.save(model.state_dict())`, resumed with a fresh
+   optimizer against FSDP2 loading the same checkpoint with a fresh optimizer;
+ - torchtitan 0.3.0's CheckpointManager (model keys at the top level beside `optimizer`,
+   `lr_scheduler`, `dataloader`, `train_state`), and its model-only last-step export;
+ - Accelerate 1.15.0's FSDP2 save folders, written by Accelerate's own `save_fsdp_model` /
+   `save_fsdp_optimizer` / `save_accelerator_state`, the calls `Accelerator.save_state` makes
+   for FSDP (Accelerate runs FSDP only on accelerators: on CPU its `Accelerator` falls back to
+   MULTI_CPU, so they are called directly, with a real `FullyShardedDataParallelPlugin` and
+   `PartialState`).
+(nested FSDP2 `{"model", "optim"}` is tests/test_interop_dcp.py's.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from zeroshard.cli import main
+from zeroshard.errors import CheckpointError
+from zeroshard.interop.dcp_import import read_dcp
+
+from distributed import run_ranks
+from interop_model import BETAS, LR, MICRO_BATCH, SEQ, WEIGHT_DECAY, batch, make_model, make_optimizer
+
+# tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
+TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
+_TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManager; "
+                  "from torchtitan.components.optimizer import OptimizersContainer")
+
+
+def _mean(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _sharded(world_size: int, seed: int = 0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return model
+
+
+def _fsdp2_layouts(rank, world_size, out):
+    """FSDP2 trains 6 steps and after step 2 saves one checkpoint per layout (same state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = _sharded(world_size)
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(6):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean(loss))
+        if step == 2:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{out}/optimizer_key")
+            dcp.save({"model": msd}, checkpoint_id=f"{out}/model_only")
+            dcp.save(msd, checkpoint_id=f"{out}/plain")
+            msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/flattened")
+    return losses[3:]
+
+
+def _fsdp2_fresh_optimizer(rank, world_size, path):
+    """FSDP2's own continuation from a model-only checkpoint: weights loaded, a fresh optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = _sharded(world_size, seed=1)
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in (3, 4, 5):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean(loss))
+    return losses
+
+
+def _zeroshard(rank, world_size, path):
+    import zeroshard
+
+    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
+                                  config={"zero_optimization": {"stage": 3},
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+    engine.load_checkpoint(path)
+    losses = []
+    for step in (3, 4, 5):
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean(loss))
+    return losses
+
+
+def _import(src, out, *extra) -> str:
+    result = CliRunner().invoke(main, ["import", "dcp", str(src), str(out), "--world", "2", *extra])
+    assert result.exit_code == 0, result.output
+    return result.output  # stdout and stderr (the notes)
+
+
+def _resumes_like(out, expected):
+    ours = run_ranks(_zeroshard, 2, path=str(out), init_process_group=False, timeout=240)[0]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, expected)), (ours, expected)
+    assert len(ours) == len(expected) == 3
+
+
+@pytest.fixture(scope="module")
+def fsdp_layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    return out, run_ranks(_fsdp2_layouts, 2, out=str(out), timeout=240)[0]
+
+
+def _check_trained(imp, layout_note):
+    assert list(imp.params) == ["emb.weight", "norm.weight", "norm.bias", "fc.weight", "fc.bias"]
+    assert imp.buffers.keys() == {"scale"} and imp.aliases == {"head.weight": "emb.weight"}
+    assert all(set(imp.optimizer_state[n]) == {"exp_avg", "exp_avg_sq"} for n in imp.params)
+    assert all(imp.scalar_state[n]["step"]["value"] == 3 for n in imp.params)
+    assert imp.global_steps == 3 and imp.optimizer_class == "torch.optim.adamw.AdamW"
+    assert [g["params"] for g in imp.param_groups] == [list(imp.params)]
+    assert imp.param_groups[0]["lr"] == LR and imp.param_groups[0]["betas"] == list(BETAS)
+    assert imp.notes[0] == f"DCP layout: {layout_note}"
+
+
+def test_flattened_optimizer_resumes_like_fsdp2(tmp_path, fsdp_layouts):
+    folder, fsdp_next = fsdp_layouts
+    imp = read_dcp(str(folder / "flattened"))
+    _check_trained(imp, "'model.*', flattened 'optim.*'")
+    output = _import(folder / "flattened", tmp_path / "zs", "-q")
+    assert "5 parameters" in output and "flattened" in output
+    _resumes_like(tmp_path / "zs", fsdp_next)
+
+
+def test_optimizer_key_resumes_like_fsdp2(tmp_path, fsdp_layouts):
+    folder, fsdp_next = fsdp_layouts
+    _check_trained(read_dcp(str(folder / "optimizer_key")), "'model.*', nested 'optimizer.*'")
+    assert "5 parameters" in _import(folder / "optimizer_key", tmp_path / "zs")
+    _resumes_like(tmp_path / "zs", fsdp_next)
+
+
+def test_model_only_resumes_like_fsdp2_with_a_fresh_optimizer(tmp_path, fsdp_layouts):
+    folder, _ = fsdp_layouts
+    imp = read_dcp(str(folder / "model_only"), buffers="scale")
+    assert set(imp.params) == {"emb.weight", "norm.weight", "norm.bias", "fc.weight", "fc.bias"}
+    assert imp.buffers.keys() == {"scale"} and imp.aliases == {"head.weight": "emb.weight"}
+    assert not imp.optimizer_state and imp.optimizer_class is None and imp.global_steps == 0
+    # without --buffers the floating buffer is a parameter, and the note says how to name it
+    bare = read_dcp(str(folder / "model_only"))
+    assert "scale" in bare.params and any("--buffers" in n for n in bare.notes)
+    # a plain dcp.save(model.state_dict()) holds the same weights under top-level keys
+    plain = read_dcp(str(folder / "plain"), buffers="scale")
+    assert plain.notes[0] == "DCP layout: top-level model keys, no optimizer"
+    assert plain.params.keys() == imp.params.keys()
+    assert all(torch.equal(plain.params[n], imp.params[n]) for n in imp.params)
+
+    expected = run_ranks(_fsdp2_fresh_optimizer, 2, path=str(folder / "model_only"), timeout=240)[0]
+    for source in ("model_only", "plain"):
+        assert "5 parameters" in _import(folder / source, tmp_path / source, "--buffers", "scale")
+        _resumes_like(tmp_path / source, expected)
+
+
+# ---- refused in one line --------------------------------------------------------------------------
+
+def _save_single(path, state_dict):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def _refused(src, *extra) -> str:
+    result = CliRunner().invoke(main, ["import", "dcp", str(src), str(src) + "-out", "-q", *extra])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeroshard: error:"), result.output
+    assert not os.path.exists(str(src) + "-out")
+    return lines[0]
+
+
+def test_unknown_layouts_are_refused_naming_the_keys(tmp_path):
+    model = make_model(0).state_dict()
+    _save_single(tmp_path / "net", {"net": model, "opt": {"lr": 0.1}})
+    line = _refused(tmp_path / "net")
+    assert "not understood" in line and "net.emb.weight" in line and "+" in line  # first few, then a count
+
+    shampoo = {"state": {"fc.weight": {"preconditioner": {"left": torch.ones(2, 2)}, "step": torch.tensor(1.0)}},
+               "param_groups": [{"lr": 0.1, "params": ["fc.weight"]}]}
+    _save_single(tmp_path / "shampoo", {"model": model, "optim": shampoo})
+    line = _refused(tmp_path / "shampoo")
+    assert "optim.state.fc.weight.preconditioner.left" in line and "1 entry not understood" in line
+
+    _save_single(tmp_path / "stray", {"model": model, "ema": {"fc.weight": torch.ones(5, 5)}})
+    assert "ema.fc.weight" in _refused(tmp_path / "stray")
+    _save_single(tmp_path / "both", {"model": model, "optim": {"x": 1}, "optimizer": {"x": 1}})
+    assert "both 'optim.*' and 'optimizer.*'" in _refused(tmp_path / "both")
+    _save_single(tmp_path / "groupless", {"model": model, "optim": {"param_groups": [{"lr": 0.1}]}})
+    assert "param group(s) 0 of 'optim' have no `params` list" in _refused(tmp_path / "groupless")
+    _save_single(tmp_path / "nomodel", {"optim": {"state": {"w": {"exp_avg": torch.ones(2)}}}})
+    assert "no model weights" in _refused(tmp_path / "nomodel")
+
+
+def test_buffers_option_is_checked(tmp_path):
+    model = make_model(0)
+    opt = make_optimizer(model.parameters())
+    model(*batch(0, 0)).backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    _save_single(tmp_path / "ck", {"model": msd, "optim": osd, "step": torch.tensor(1), "note": "run 7"})
+    assert "--buffers matches parameters the optimizer holds: fc.bias" in _refused(tmp_path / "ck", "--buffers",
+                                                                                   "fc.bias")
+    assert "is not a regular expression" in _refused(tmp_path / "ck", "--buffers", "(")
+    assert "'scal' matches no model tensor" in _refused(tmp_path / "ck", "--buffers", "scal")  # a full match
+    imp = read_dcp(str(tmp_path / "ck"))  # with the optimizer, the floating buffer is named in a note
+    assert "floating tensors the optimizer does not hold, imported as buffers: scale" in imp.notes
+    assert imp.client_state == {"step": 1, "note": "run 7"}  # scalars beside the model: client state
+
+
+def test_constant_tensors_are_never_taken_for_ties(tmp_path):
+    """Two fresh LayerNorms hold equal weights (ones) without being one parameter."""
+    sd = {"a.weight": torch.ones(4), "b.weight": torch.ones(4), "w": torch.arange(8.0), "w2": torch.arange(8.0),
+          "n": torch.arange(3)}
+    _save_single(tmp_path / "ck", {"model": sd})
+    imp = read_dcp(str(tmp_path / "ck"))
+    assert set(imp.params) == {"a.weight", "b.weight", "w"} and imp.aliases == {"w2": "w"}
+    assert imp.buffers.keys() == {"n"}  # not floating: a buffer
+
+
+# ---- torchtitan ------------------------------------------------------------------------------------
+
+class _TrainState:
+    """torchtitan's Trainer is the checkpoint's `train_state` Stateful with exactly this state."""
+
+    def __init__(self) -> None:
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self):
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, sd):
+        self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+
+class _Loader:
+    """torchtitan's ParallelAwareDataloader.state_dict layout: its rank's state as pickle bytes."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self):
+        return {f"dp_rank_{self.rank}": pickle.dumps({"offset": 3}), "world_size": 2}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _torchtitan(rank, world_size, base):
+    sys.path.insert(0, TORCHTITAN)
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+
+    model = _sharded(world_size)
+    kwargs = {"lr": LR, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
+    opts = OptimizersContainer(OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)],
+        implementation="for-loop"), model_parts=[model])
+    scheds = LRSchedulersContainer(opts, lambda step: 1.0)
+    train = _TrainState()
+    ckpt = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=3, keep_latest_k=0,
+                                                      last_save_model_only=True),
+                             dataloader=_Loader(rank), model_parts=[model], optimizers=opts, lr_schedulers=scheds,
+                             states={"train_state": train}, sd_adapter=None, base_folder=base)
+    losses = []
+    for step in range(6):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        opts.step()
+        scheds.step()
+        opts.zero_grad()
+        train.step, train.ntokens_seen = step + 1, train.ntokens_seen + batch(step, rank)[0].numel()
+        losses.append(_mean(loss))
+        ckpt.save(train.step, last_step=step == 5)
+    ckpt.close()
+    return losses[3:]
+
+
+def test_torchtitan_checkpoint_manager(tmp_path):
+    import subprocess
+
+    probe = subprocess.run([sys.executable, "-c", _TITAN_IMPORTS], env={**os.environ, "PYTHONPATH": TORCHTITAN},
+                           capture_output=True, timeout=120)
+    if probe.returncode:
+        pytest.skip(f"torchtitan 0.3.0 does not import from {TORCHTITAN} (tools/dev.sh test installs it)")
+    titan_next = run_ranks(_torchtitan, 2, base=str(tmp_path), timeout=300, fresh=True)[0]
+    step3 = tmp_path / "ckpt" / "step-3"
+    imp = read_dcp(str(step3))
+    _check_trained(imp, "top-level model keys, flattened 'optimizer.*'")
+    assert imp.client_state["train_state"] == {"step": 3, "ntokens_seen": 3 * MICRO_BATCH * SEQ}
+    assert imp.client_state["lr_scheduler"] == {"last_epoch": 3}
+    assert imp.client_state["dataloader"] == {"world_size": 2}
+    assert any("not imported" in n and "dataloader.dp_rank_0" in n for n in imp.notes)
+    output = _import(step3, tmp_path / "zs")
+    assert "dataloader.dp_rank_1" in output  # the dropped pickle bytes are named to the user
+    _resumes_like(tmp_path / "zs", titan_next)
+
+    last = read_dcp(str(tmp_path / "ckpt" / "step-6"), buffers="scale")  # last_save_model_only
+    assert last.notes[0] == "DCP layout: top-level model keys, no optimizer"
+    assert set(last.params) == set(imp.params) and not last.optimizer_state
+
+
+# ---- Accelerate -----------------------------------------------------------------------------------
+
+def _accelerate(rank, world_size, out):
+    from accelerate import PartialState
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+
+    state = PartialState(cpu=True)  # joins the gloo group; what the save functions read of an Accelerator
+    model = _sharded(world_size)
+    opt = make_optimizer(model.parameters())
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    losses = []
+    for step in range(6):
+        loss = model(*batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean(loss))
+        if step == 2:  # what Accelerator.save_state does for FSDP, in its order
+            save_fsdp_model(plugin, state, model, out)
+            save_fsdp_optimizer(plugin, state, opt, model, out)
+            save_accelerator_state(out, [], [], [], [], rank, step + 1)
+    return losses[3:]
+
+
+def test_accelerate_fsdp_save_state(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
+    out = tmp_path / "save_state"
+    acc_next = run_ranks(_accelerate, 2, out=str(out), timeout=300, fresh=True)[0]
+    assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
+    imp = read_dcp(str(out))
+    _check_trained(imp, "'model.*', nested 'optimizer.*'")
+    assert any("Accelerate save_state: not imported" in n and "random_states_0.pkl" in n for n in imp.notes)
+    _import(out, tmp_path / "zs")
+    _resumes_like(tmp_path / "zs", acc_next)
+    # the model folder alone imports too, and says where the optimizer state was left
+    alone = read_dcp(str(out / "pytorch_model_fsdp_0"), buffers="scale")
+    assert any("sibling optimizer_0/" in n for n in alone.notes) and not alone.optimizer_state
+
+    with pytest.raises(CheckpointError, match="several models or optimizers"):
+        (out / "optimizer_1").mkdir()
+        read_dcp(str(out))
+
+
+def test_flattened_groups_are_rebuilt_like_the_nested_ones(tmp_path):
+    """Two groups (decay / no decay, members interleaved in model order): flattened, the layout
+    keeps only each parameter's hyperparameters; the groups rebuilt equal the nested layout's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = make_model(0)
+    decay = [model.emb.weight, model.fc.weight]
+    rest = [model.norm.weight, model.norm.bias, model.fc.bias]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    model(*batch(0, 0)).backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    _save_single(tmp_path / "nested", {"model": msd, "optim": osd})
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    _save_single(tmp_path / "flat", {"model": msd, "optim": osd})
+    nested, flat = read_dcp(str(tmp_path / "nested")), read_dcp(str(tmp_path / "flat"))
+    assert [g["params"] for g in flat.param_groups] == [["emb.weight", "fc.weight"],
+                                                        ["norm.weight", "norm.bias", "fc.bias"]]
+    assert flat.param_groups == nested.param_groups
+    assert [g["weight_decay"] for g in flat.param_groups] == [0.01, 0.0]
+    assert any("2 group(s) of equal hyperparameters" in n for n in flat.notes)
+    for name, state in nested.optimizer_state.items():
+        assert all(torch.equal(state[k], flat.optimizer_state[name][k]) for k in state)

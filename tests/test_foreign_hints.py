@@ -1,0 +1,57 @@
+"""A DeepSpeed or DCP folder given to consolidate/inspect/verify/reshard: one line saying which
+`zeroshard import` command converts it (issue 18), and nothing written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from zeroshard.cli import main
+
+DEEPSPEED = Path(__file__).parent / "data" / "deepspeed" / "stage1"
+COMMANDS = [("inspect",), ("verify",), ("consolidate", "{out}/model.safetensors"), ("reshard", "--to", "2", "-o",
+                                                                                   "{out}/resharded")]
+
+
+def _run(command: tuple[str, ...], src: Path, out: Path) -> tuple[int, str]:
+    args = [a.format(out=out) for a in command]
+    result = CliRunner().invoke(main, [args[0], str(src), *args[1:]], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def _dcp_folder(tmp_path: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(4, 3)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))  # no process group: one writer
+    return tmp_path / "dcp"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[0] for c in COMMANDS])
+@pytest.mark.parametrize("which", ["deepspeed root", "deepspeed tag", "dcp"])
+def test_a_foreign_folder_gets_the_import_command_to_run(tmp_path: Path, command: tuple[str, ...], which: str):
+    if which == "dcp":
+        src, kind = _dcp_folder(tmp_path), "dcp"
+    else:
+        shutil.copytree(DEEPSPEED, tmp_path / "ds")
+        src, kind = (tmp_path / "ds" if which == "deepspeed root" else tmp_path / "ds" / "global_step3"), "deepspeed"
+    before = sorted((p.relative_to(src), p.stat().st_size) for p in src.rglob("*"))
+    out = tmp_path / "out"
+    out.mkdir()
+    code, output = _run(command, src, out)
+    assert code != 0 and "Traceback" not in output, output
+    assert f"`zeroshard import {kind} {src} OUT`" in output, output
+    assert len(output.strip().splitlines()) == 1, output
+    assert sorted((p.relative_to(src), p.stat().st_size) for p in src.rglob("*")) == before
+    assert list(out.iterdir()) == []
+
+
+def test_an_empty_folder_is_still_not_a_checkpoint(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    code, output = _run(("inspect",), tmp_path / "empty", tmp_path)
+    assert code != 0 and "not a zeroshard checkpoint: neither zeroshard.json nor latest found" in output, output
