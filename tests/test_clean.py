@@ -98,8 +98,8 @@ def test_clean_errors_are_one_line(tmp_path):
     result = clean(tmp_path, "--older-than", "soon")
     assert result.exit_code == 1 and "cannot read age 'soon'" in result.output
     assert len(result.output.strip().splitlines()) == 1
-    result = clean(tmp_path / "nothing-here")
-    assert result.exit_code == 0 and "nothing to clean" in result.output
+    result = clean(tmp_path / "nothing-here")  # a typo'd path is an error, not "nothing to clean" (issue 19)
+    assert result.exit_code == 1 and "nothing-here: no such folder" in result.output
 
 
 # ---- every command's leftovers, after a SIGKILL mid-write (issue 17) ------------------------

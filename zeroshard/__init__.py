@@ -27,12 +27,15 @@ __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "Checkpointing
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
            "ConfigError", "EngineUsageError", "RanksBuiltDifferentModelsError", "UnsupportedFeatureError",
+           "load_state_dict", "open_tensors",
            "__version__"]
 
 _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.training",
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",
          "EngineState": "zeroshard.engine.contract", "Checkpointer": "zeroshard.checkpointing",
-         "RNGState": "zeroshard.checkpointing", "Stateful": "zeroshard.checkpointing"}
+         "RNGState": "zeroshard.checkpointing", "Stateful": "zeroshard.checkpointing",
+         # the offline reader: the toolkit's, no process group and no training core
+         "load_state_dict": "zeroshard.toolkit.load", "open_tensors": "zeroshard.toolkit.load"}
 
 
 def __getattr__(name: str) -> Any:

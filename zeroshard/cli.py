@@ -6,10 +6,12 @@ non-zero exit; --debug shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -28,6 +30,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
     @functools.wraps(fn)
     def wrapper(storage_option: tuple[str, ...], quiet: bool, debug: bool, **kwargs: Any) -> Any:
+        options: dict = {}
         try:
             from zeroshard.storage import parse_storage_options
 
@@ -36,7 +39,12 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (ZeroshardError, ValueError) as exc:
             if debug:
                 raise
-            click.echo(f"zeroshard: error: {exc}", err=True)
+            hint = None
+            if isinstance(exc, ZeroshardError):  # what to do next, when the input says it (a DeepSpeed folder...)
+                from zeroshard.toolkit.hints import next_step
+
+                hint = next_step(exc, options)
+            click.echo(f"zeroshard: error: {exc}" + (f"; {hint}" if hint else ""), err=True)
             sys.exit(EXIT_ERROR)
         except KeyboardInterrupt:
             click.echo("zeroshard: interrupted; nothing was committed", err=True)
@@ -81,7 +89,7 @@ def main() -> None:
 @main.command()
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, required=True, help="Number of ranks to shard for.")
+@click.option("--world", "--to", "world_size", type=int, required=True, help="Number of ranks to shard for.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
@@ -110,9 +118,12 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+@click.option("--distributed/--single", "distributed", default=None,
+              help="Share the work among the processes torchrun started (default: when launched by torchrun "
+                   "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
 @_common
 def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
-                workers: int | None, storage_options: dict, quiet: bool) -> None:
+                workers: int | None, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
     \b
@@ -127,23 +138,105 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     """
     from zeroshard.toolkit.consolidate import consolidate as run
 
-    files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                storage_options=storage_options, quiet=quiet, workers=workers)
-    click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else ""))
+    if out.rstrip("/").lower().endswith(NOT_SAFETENSORS):
+        raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
+                             f"*.safetensors (one file) or give a folder (HF's layout)")
+    source = _source(ckpt, storage_options)
+    if _use_torchrun(distributed):
+        from zeroshard.toolkit.distributed import consolidate_distributed
+
+        with _process_group() as rank:
+            files = consolidate_distributed(ckpt, out, max_shard_size=max_shard_size, dtype=dtype,
+                                            overwrite=overwrite, storage_options=storage_options, workers=workers or 1)
+        if rank:
+            return
+    else:
+        files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                    storage_options=storage_options, quiet=quiet, workers=workers)
+    click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else "")
+               + (f" from {source}" if source else ""))
+
+
+NOT_SAFETENSORS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".safetensor", ".st", ".npz", ".json")
+
+
+def _source(ckpt: str, storage_options: dict) -> str | None:
+    """'FOLDER (step N, world W)': the checkpoint a path (maybe a root with `latest`) leads to.
+    None when it cannot be read: the command itself then reports why."""
+    from zeroshard.format import open_checkpoint
+
+    try:
+        location, manifest = open_checkpoint(ckpt, storage_options)
+    except ZeroshardError:
+        return None
+    step = f"step {manifest.step}, " if manifest.step is not None else ""
+    return f"{location.url} ({step}world {manifest.world_size})"
+
+
+def _use_torchrun(flag: bool | None) -> bool:
+    """--distributed / --single, or by default: this process is a torchrun worker of a group of 2+.
+    A program that torchrun started and that runs `zeroshard` itself passes its environment on, so
+    the parent process must be torchrun's agent too (Linux; elsewhere pass --distributed)."""
+    if flag is not None:
+        return flag
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().decode("utf-8", "replace").split("\0")[:3]  # python [-m] launcher, or torchrun
+    except OSError:
+        return False
+    return any(os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run"
+               or arg.endswith("torch/distributed/run.py") for arg in parent)
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[int]:
+    """A gloo group over torchrun's environment (TCP, no GPU) for the command; yields this rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
+def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
+    """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
+    from zeroshard.format import open_checkpoint
+    from zeroshard.partition import chunk_size
+
+    try:
+        _, manifest = open_checkpoint(ckpt, storage_options)
+    except ZeroshardError:
+        return None  # the command itself reports why
+    sizes = [t.numel for t in manifest.tensors.values() if t.layout == "flat" and t.numel]
+    used = max((-(-n // chunk_size(n, world_size)) for n in sizes), default=world_size)
+    return world_size - used, max(sizes, default=0)
 
 
 @main.command()
 @click.argument("ckpt")
-@click.option("--to", "world_size", type=int, required=True, help="The new number of ranks (any M >= 1).")
-@click.option("-o", "--out", default=None, help="Output checkpoint folder (default: CKPT-world<M> beside CKPT).")
+@click.argument("out_arg", metavar="[OUT]", required=False)
+@click.option("--to", "--world", "world_size", type=int, required=True,
+              help="The new number of ranks (any M >= 1).")
+@click.option("-o", "--out", default=None, help="OUT as an option (default: CKPT-world<M> beside CKPT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
                    "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+@click.option("--allow-empty-ranks", is_flag=True,
+              help="Write even when more than half the new ranks would hold no element of any tensor.")
+@click.option("--distributed/--single", "distributed", default=None,
+              help="Share the work among the processes torchrun started (default: when launched by torchrun "
+                   "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
 @_common
-def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, workers: int | None, storage_options: dict,
-            quiet: bool) -> None:
+def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, overwrite: bool, workers: int | None,
+            allow_empty_ranks: bool, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
     Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
@@ -153,6 +246,24 @@ def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, worker
     """
     from zeroshard.toolkit.reshard import reshard as run
 
+    if out_arg and out and out_arg != out:
+        raise ZeroshardError(f"two outputs given ({out_arg} and -o {out}): give OUT once")
+    out = out_arg or out
+    empty = _empty_ranks(ckpt, world_size, storage_options) if world_size > 1 else None
+    if empty and empty[0] > world_size // 2 and not allow_empty_ranks:  # a typo'd --to, not a plan
+        raise ZeroshardError(f"{ckpt}: at {world_size:,} ranks, {empty[0]:,} would hold no element of any tensor "
+                             f"(the largest has {empty[1]:,}); pass --allow-empty-ranks to write them anyway")
+    if _use_torchrun(distributed):
+        from zeroshard.toolkit.distributed import reshard_distributed
+
+        if not out:
+            raise ZeroshardError("--distributed needs OUT (every process must name the same folder)")
+        with _process_group() as rank:
+            url = reshard_distributed(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options,
+                                      workers=workers or 1)
+        if not rank:
+            click.echo(f"wrote {url}: {world_size} ranks")
+        return
     result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
                  workers=workers)
     click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
@@ -164,14 +275,62 @@ def reshard(ckpt: str, world_size: int, out: str | None, overwrite: bool, worker
 @main.command()
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--tensors", "tensors", is_flag=False, flag_value="*", default=None, metavar="[GLOB]",
+              help="List the tensors (name, role, dtype, shape, layout), those matching GLOB if given.")
 @_common
-def inspect(ckpt: str, as_json: bool, storage_options: dict, quiet: bool) -> None:
+def inspect(ckpt: str, as_json: bool, tensors: str | None, storage_options: dict, quiet: bool) -> None:
     """Summarize checkpoint CKPT from its manifest: world size, stage, step, parameters,
     bytes per rank, dtypes, optimizer. Reads no tensor data."""
     from zeroshard.toolkit.inspect import format_summary, inspect_checkpoint
 
     info = inspect_checkpoint(ckpt, storage_options=storage_options)
-    click.echo(json.dumps(info, indent=2) if as_json else format_summary(info))
+    if tensors is not None:
+        from zeroshard.toolkit.listing import format_tensors, list_tensors
+
+        info["tensor_list"] = list_tensors(info["location"], tensors, storage_options=storage_options)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(format_summary(info))
+    if tensors is not None:
+        click.echo(format_tensors(info["tensor_list"]))
+
+
+@main.command("ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_common
+def ls(root: str, as_json: bool, storage_options: dict, quiet: bool) -> None:
+    """List the checkpoints under ROOT: tag, step, world size, stage, size, which one `latest`
+    names (*), and saves that never committed or staging folders writers left. Reads manifests only."""
+    from zeroshard.toolkit.listing import format_listing, list_checkpoints
+
+    info = list_checkpoints(root, storage_options=storage_options)
+    click.echo(json.dumps(info, indent=2) if as_json else format_listing(info))
+
+
+@main.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (of B's values).")
+@click.option("--all", "every_role", is_flag=True, help="Compare optimizer state too (default: the weights).")
+@click.option("--include", multiple=True, metavar="GLOB", help="Only tensors matching GLOB (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("-v", "--verbose", is_flag=True, help="List every tensor, not only those that differ.")
+@_common
+def diff_command(a: str, b: str, atol: float, rtol: float, every_role: bool, include: tuple[str, ...],
+                 as_json: bool, verbose: bool, storage_options: dict, quiet: bool) -> None:
+    """Compare checkpoints A and B tensor by tensor: max absolute and relative difference, at any
+    world sizes, streaming. Exit 0 when every tensor is within |a-b| <= atol + rtol*|b| and both
+    hold the same tensors; exit 3 when they differ."""
+    from zeroshard.toolkit.diff import diff, format_report
+
+    report = diff(a, b, atol=atol, rtol=rtol, roles=None if every_role else ("param", "buffer"),
+                  include=list(include) or None, storage_options=storage_options)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_report(report, verbose))
+    if not report.equal:
+        sys.exit(EXIT_VERIFY_FAILED)
 
 
 @main.command()
@@ -241,8 +400,13 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     this host is never stale; one of another host or an S3 upload is stale once older than AGE.
     Committed checkpoints and any other file are never touched.
     """
+    from zeroshard.storage.location import Location
     from zeroshard.toolkit.clean import clean as run
     from zeroshard.toolkit.clean import parse_age
+
+    root = Location(path, storage_options)
+    if root.local and not root.exists():  # (an S3 prefix may hold only pending uploads: no objects)
+        raise ZeroshardError(f"{path}: no such folder (nothing to clean)")
 
     report = run(path, older_than_s=parse_age(older_than), dry_run=dry_run or not yes, storage_options=storage_options)
     verb = "removed" if yes and not dry_run else "stale"
@@ -269,7 +433,8 @@ def import_group() -> None:
 @import_group.command("deepspeed")
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, default=None, help="Ranks to write for (default: the source's).")
+@click.option("--world", "--to", "world_size", type=int, default=None,
+              help="Ranks to write for (default: the source's).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict,
@@ -291,13 +456,14 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
 @import_group.command("dcp")
 @click.argument("src")
 @click.argument("out")
-@click.option("--world", "world_size", type=int, default=1, show_default=True, help="Ranks to write for.")
+@click.option("--world", "--to", "world_size", type=int, default=None,
+              help="Ranks to write for (default: the source's, one per .distcp file).")
 @click.option("--buffers", default=None, metavar="REGEX",
               help="Model tensors whose full name matches are buffers, not parameters (model-only sources).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def import_dcp(src: str, out: str, world_size: int, buffers: str | None, overwrite: bool, storage_options: dict,
-               quiet: bool) -> None:
+def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, overwrite: bool,
+               storage_options: dict, quiet: bool) -> None:
     """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
     {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
     Accelerate save_state folder (pytorch_model_fsdp_0/ + optimizer_0/).
@@ -341,8 +507,33 @@ def export_dcp(ckpt: str, out: str, overwrite: bool, storage_options: dict, quie
 
 
 def _register_estimate() -> None:
-    from zeroshard.estimate import estimate_command  # pure arithmetic: no torch, no engine
+    from zeroshard.estimate import estimate_command, parse_count  # pure arithmetic: no torch, no engine
 
+    # --plot is added here, beside the table command: matplotlib is imported only when asked for
+    estimate_command.params.append(click.Option(
+        ["--plot"], metavar="FILE", default=None,
+        help="Also draw memory per device against device count, by stage, into FILE (.png, .svg, .pdf; "
+             "needs the plot extra)."))
+    table = estimate_command.callback
+
+    def with_plot(plot: str | None = None, **kwargs: Any) -> None:
+        import importlib.util
+
+        if plot and importlib.util.find_spec("matplotlib") is None:  # before the table: one clear failure
+            from zeroshard.estimate_plot import PLOT_EXTRA_HINT
+
+            raise click.ClickException(PLOT_EXTRA_HINT)
+        table(**kwargs)
+        if plot:
+            from zeroshard.estimate_plot import plot_memory
+
+            try:
+                plot_memory(parse_count(kwargs["params"]), kwargs["gpus"], plot, kwargs["dtype"])
+            except ZeroshardError as exc:
+                raise click.ClickException(str(exc)) from None
+            click.echo(f"wrote {plot}")
+
+    estimate_command.callback = with_plot
     main.add_command(estimate_command, "estimate")
 
 

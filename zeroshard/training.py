@@ -19,6 +19,7 @@ from torch import nn
 from zeroshard.checkpointing import Checkpointer, RNGState
 from zeroshard.engine import ZeroConfig, ZeroEngine
 from zeroshard.engine.engine import initialize as _initialize_engine
+from zeroshard.errors import EngineUsageError
 
 
 class CheckpointingEngine(ZeroEngine):
@@ -35,7 +36,7 @@ class CheckpointingEngine(ZeroEngine):
 
     def save_checkpoint(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
                         keep_last: int | None = None, async_save: bool = False, lr_scheduler: Any = None,
-                        storage_options: dict | None = None) -> str:
+                        storage_options: dict | None = None, allow_mid_accumulation: bool = False) -> str:
         """Save to `path/tag` (tag: step-NNNNNNNN by default), every rank writing its own shard;
         rank 0 commits the manifest once all have succeeded, then moves `path/latest`.
 
@@ -43,7 +44,18 @@ class CheckpointingEngine(ZeroEngine):
         checkpoints in `path` after the commit. async_save: snapshot now, write in a background
         thread (the next save, wait(), load or exit joins it and raises its error). Returns the
         checkpoint's URL. Raises CheckpointSaveError on every rank if any rank failed.
+
+        Between accumulation boundaries (some micro-batches of the next step already backpropagated)
+        the save is refused with EngineUsageError: the accumulated gradients are not saved, so a
+        resumed run would update from part of a batch. allow_mid_accumulation=True saves anyway,
+        without them (DeepSpeed's behaviour; zeroshard.deepspeed passes it).
         """
+        pending = self.micro_steps % self.gradient_accumulation_steps
+        if pending and not allow_mid_accumulation:  # every rank is at the same micro-step: all refuse
+            raise EngineUsageError(
+                f"save_checkpoint at micro-step {pending} of {self.gradient_accumulation_steps} of global step "
+                f"{self.global_steps + 1}: the gradients accumulated so far would not be saved; save right after "
+                f"the step() that completes the window (micro_steps % gradient_accumulation_steps == 0)")
         return self.checkpointer.save(path, tag, client_state, keep_last=keep_last, async_save=async_save,
                                       storage_options=storage_options, stateful=_scheduler(lr_scheduler))
 

@@ -304,12 +304,14 @@ class DeepSpeedEngine(nn.Module):
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Save to save_dir/tag (tag: global_step{N}, as DeepSpeed); client_state must be JSON data."""
+        """Save to save_dir/tag (tag: global_step{N}, as DeepSpeed); client_state must be JSON data.
+        Between accumulation boundaries it saves without the accumulated gradients, as DeepSpeed does
+        (zeroshard's own save_checkpoint refuses there)."""
         if not save_latest or exclude_frozen_parameters:
             raise refusal("save_checkpoint(save_latest=False / exclude_frozen_parameters=True)")
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed allows ints
-        self.engine.save_checkpoint(os.fspath(save_dir), tag,
-                                    client_state=dict(client_state or {}), lr_scheduler=self.lr_scheduler)
+        self.engine.save_checkpoint(os.fspath(save_dir), tag, client_state=dict(client_state or {}),
+                                    lr_scheduler=self.lr_scheduler, allow_mid_accumulation=True)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,

@@ -45,6 +45,16 @@ def _boto_errors() -> tuple[type[BaseException], ...]:
         return ()
 
 
+S3_EXTRA_HINT = "s3:// paths need the s3 extra: pip install 'zeroshard[s3]'"
+
+
+def _missing_backend(url: str, exc: ImportError) -> str:
+    """What to install when fsspec cannot load the filesystem `url` needs."""
+    if url.startswith(("s3://", "s3a://")):
+        return S3_EXTRA_HINT
+    return f"no filesystem for this URL ({describe_error(exc)})"
+
+
 @contextlib.contextmanager
 def storage_errors(where: str) -> Iterator[None]:
     """Turn OSError and S3 client errors raised inside into a StorageError naming `where`."""
@@ -108,7 +118,10 @@ class Location:
             self._fs, self.path, self.local = None, path, True
         else:
             with storage_errors(url):
-                self._fs, self.path = _filesystem(self.url, fs_options, self.remote_io.retry_s)
+                try:
+                    self._fs, self.path = _filesystem(self.url, fs_options, self.remote_io.retry_s)
+                except ImportError as exc:  # s3fs (and other backends) are optional extras
+                    raise StorageError(url, _missing_backend(self.url, exc)) from exc
             self.local = "file" in _protocols(self._fs)
         self.read_budget = BlockBudget(self.remote_io.read_ahead)  # read-ahead held, across this folder's readers
 
