@@ -439,7 +439,9 @@ def import_group() -> None:
 @_common
 def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict,
                      quiet: bool) -> None:
-    """A DeepSpeed ZeRO 1/2/3 checkpoint (SRC: the save_dir with `latest`, or a tag folder).
+    """A DeepSpeed ZeRO 1/2/3 checkpoint (SRC: the save_dir with `latest`, a tag folder, a
+    Hugging Face Trainer checkpoint-N or run folder, or a Universal Checkpoint folder). fp32,
+    bf16 (bf16_zero_pp_rank_*) and CPU-offload (DeepSpeedCPUAdam) runs are read alike.
 
     fp32 master weights, Adam moments and step, param groups, global step, client state and
     tied weights come across; `engine.load_checkpoint(OUT)` resumes where DeepSpeed stopped.
