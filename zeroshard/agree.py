@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.errors import OtherRanksFailedError, ZeroshardError
+from zeroshard.exit_drain import drain_gloo_workers_at_exit
 from zeroshard.peers import peer_loss_translated
 
 
@@ -24,6 +25,8 @@ def agree(error: BaseException | None, group: Any = None, *, action: str, payloa
     `action` names the operation in the message others see ("the checkpoint save").
     """
     import torch.distributed as dist  # the toolkit imports this module without needing torch
+
+    drain_gloo_workers_at_exit()
 
     message = (None if error is None else str(error) if isinstance(error, ZeroshardError)
                else f"{type(error).__name__}: {error}")

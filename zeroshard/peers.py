@@ -39,6 +39,9 @@ def record_hosts(group: Any = None) -> None:
     """Collective: learn every rank's host name (one small all-gather, at engine start)."""
     import torch.distributed as dist
 
+    from zeroshard.exit_drain import drain_gloo_workers_at_exit
+
+    drain_gloo_workers_at_exit()
     names: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(names, host_name(), group=group)
     _hosts[:] = [str(n) for n in names]
