@@ -221,10 +221,13 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.skipif(os.environ.get("ZEROSHARD_SLOW_TESTS") != "1",
+                    reason="8 min on 2 cores (builds DeepSpeed's CPU Adam op): set ZEROSHARD_SLOW_TESTS=1")
 @pytest.mark.timeout(1200)
 def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
     """With DeepSpeed installed, regenerate the variant fixtures (offload builds DeepSpeed's CPU
-    Adam op with g++ on first use) and check them as the committed ones are checked."""
+    Adam op with g++ on first use) and check them as the committed ones are checked. Opt-in: the
+    committed fixtures were made by the same DeepSpeed 0.19.8 and are checked on every run."""
     tool = Path(__file__).parents[1] / "tools" / "make_deepspeed_fixtures.py"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, str(tool), str(tmp_path / "fresh"), *VARIANTS], capture_output=True,
