@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from functools import partial
+import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -51,6 +51,20 @@ from zeroshard.peers import peer_loss_translated
 _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
                "the forward of a module that holds it (its unit). Use it through that module, or make "
                "an enclosing module one unit (zero_optimization.stage3_unit_classes)")
+
+
+def _weak_grad_hook(engine: "ZeroEngine", shard: ParamShard) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of `shard`'s parameter, holding the engine weakly: a tensor
+    keeps its hooks where the garbage collector cannot see them, so a strong reference would
+    make every engine (its model, optimizer state and process groups, whose gloo threads poll)
+    live as long as the parameter, even after the last user reference is gone."""
+    ref = weakref.WeakMethod(engine._on_grad)
+
+    def hook(param: torch.Tensor) -> None:
+        on_grad = ref()
+        if on_grad is not None:
+            on_grad(shard, param)
+    return hook
 
 
 def initialize(model: nn.Module,
@@ -167,7 +181,7 @@ class ZeroEngine:
                                    all_reduce=self.stage == 0, reduce_dtype=config.reduce_dtype,
                                    bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm,
                                    device=device)
-        self._hooks = [s.param.register_post_accumulate_grad_hook(partial(self._on_grad, s))
+        self._hooks = [s.param.register_post_accumulate_grad_hook(_weak_grad_hook(self, s))
                        for s in self._trainable]
         # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
         self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
