@@ -210,6 +210,25 @@ def test_the_model_config_a_checkpoint_carries_goes_along_and_config_overrides_i
     assert not (tmp_path / "hf2" / "config.json").exists()
 
 
+@pytest.mark.s3
+def test_an_s3_folder_gets_the_chosen_tensors_and_config_streamed(tmp_path, s3_bucket):
+    from zeroshard.storage import Location
+
+    make_checkpoint(tmp_path / "c", extra={"model_config": {"model_type": "gpt2"}})
+    assert cli("--max-shard-size", "300B", str(tmp_path / "c"), str(tmp_path / "local")).exit_code == 0
+    result = cli("--max-shard-size", "300B", "--exclude", "head.*", str(tmp_path / "c"), f"{s3_bucket}/hf")
+    assert result.exit_code == 0, result.output
+    remote = Location(f"{s3_bucket}/hf")
+    index = json.loads(remote.read_bytes("model.safetensors.index.json"))
+    full = read_folder(tmp_path / "local")
+    got: dict[str, bytes] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        (tmp_path / name).write_bytes(remote.read_bytes(name))
+        got.update(read_file(tmp_path / name))
+    assert set(got) == set(full) - {"head.weight"} and all(got[k] == full[k] for k in got)
+    assert remote.read_bytes("config.json") == (tmp_path / "local" / "config.json").read_bytes()
+
+
 # ---- torchrun mode -------------------------------------------------------------------------------------
 def _distributed(rank: int, world: int, ckpt: str, out: str, config: str) -> list[str]:
     from zeroshard.toolkit.distributed import consolidate_distributed
