@@ -113,6 +113,15 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Cast floating-point weights (default: as stored, bit-exact).")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Write HF's sharded layout with files up to SIZE (e.g. 5GB, 500MB, 2GiB) into folder OUT.")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Write only tensors whose name matches GLOB (repeatable; fnmatch, as load_state_dict).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Leave out tensors whose name matches GLOB (repeatable; wins over --include).")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX",
+              help="Remove a leading PREFIX (e.g. module. or _orig_mod.) from every output name (repeatable).")
+@click.option("--config", "config", default=None, metavar="FILE",
+              help="Copy JSON FILE into folder OUT as config.json (default: the model config the "
+                   "checkpoint carries, if any).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
@@ -122,7 +131,8 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
               help="Share the work among the processes torchrun started (default: when launched by torchrun "
                    "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
 @_common
-def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, overwrite: bool,
+def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, include: tuple[str, ...],
+                exclude: tuple[str, ...], strip_prefix: tuple[str, ...], config: str | None, overwrite: bool,
                 workers: int | None, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
@@ -134,7 +144,8 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
 
     Each rank file is read once, front to back, hash-checked, and every fragment placed at its
     offset (S3 outputs are streamed front to back instead); tied weights recorded in the
-    manifest are written under both names.
+    manifest are written under both names. A glob matching no tensor, or two names made one
+    by --strip-prefix, is an error before anything is written.
     """
     from zeroshard.toolkit.consolidate import consolidate as run
 
@@ -142,17 +153,19 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
         raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
                              f"*.safetensors (one file) or give a folder (HF's layout)")
     source = _source(ckpt, storage_options)
+    choice = {"include": list(include), "exclude": list(exclude), "strip_prefix": list(strip_prefix), "config": config}
     if _use_torchrun(distributed):
         from zeroshard.toolkit.distributed import consolidate_distributed
 
         with _process_group() as rank:
             files = consolidate_distributed(ckpt, out, max_shard_size=max_shard_size, dtype=dtype,
-                                            overwrite=overwrite, storage_options=storage_options, workers=workers or 1)
+                                            overwrite=overwrite, storage_options=storage_options, workers=workers or 1,
+                                            **choice)
         if rank:
             return
     else:
         files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                    storage_options=storage_options, quiet=quiet, workers=workers)
+                    storage_options=storage_options, quiet=quiet, workers=workers, **choice)
     click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else "")
                + (f" from {source}" if source else ""))
 

@@ -58,7 +58,10 @@ def claim_tag(root: Location, tag: str) -> Claim:
     claim = take_claim(root.child(tag), "checkpoint tag", job_scoped=True)
     try:
         if root.child(tag).exists(MANIFEST_NAME):
-            raise CheckpointSaveError(f"{root.url_of(tag)}: a committed checkpoint with this tag exists")
+            # a second save at the same step lands on the same default tag: say how to proceed
+            raise CheckpointSaveError(f"{root.url_of(tag)}: a committed checkpoint with this tag exists and is never "
+                                      f"overwritten; pass another tag (save(path, tag=...)), save into a new root, "
+                                      f"or remove that folder first")
         remove_leftovers_of_others(root.child(tag))  # temp files or uploads of an earlier, killed save
     except BaseException:
         claim.release()

@@ -5,6 +5,10 @@ plus `model.safetensors.index.json`). The output headers are computed from the m
 Local outputs are filled rank-major (zeroshard.toolkit.transfer: each rank file read once, each
 fragment placed at its offset; optionally by several processes); S3 outputs are streamed front to
 back. Without a dtype cast the output bytes are the stored bytes: bit-exact.
+
+include/exclude (fnmatch globs, exclude wins) and strip_prefix follow zeroshard.load_state_dict's
+rules, so a name chosen there is chosen here. A folder output gets a config.json: the file given,
+else the model config the checkpoint carries (manifest extra or client state "model_config").
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
+from zeroshard.toolkit.load import select, strip
 from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, cast_bytes, run_transfer
@@ -31,6 +36,7 @@ from zeroshard.toolkit.workers import auto_workers
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+CONFIG_NAME = "config.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 
 
@@ -65,13 +71,19 @@ def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[Output
 @output_transaction
 def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
-                workers: int | None = 1) -> list[str]:
-    """Write the model's weights at `out`; returns the URLs of the files written (`workers=None`: auto_workers)."""
+                workers: int | None = 1, include: list[str] | None = None, exclude: list[str] | None = None,
+                strip_prefix: list[str] | None = None, config: str | None = None) -> list[str]:
+    """Write the model's weights at `out`; returns the URLs of the files written,
+    config.json last when one is written (`workers=None`: auto_workers).
+    include/exclude: globs on tensor names; strip_prefix: leading prefixes removed from output names;
+    config: a JSON file written as the folder's config.json (default: the checkpoint's model config)."""
     ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     source, manifest = open_checkpoint(ckpt, storage_options)
-    folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size)
+    folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size,
+                                                     include=include, exclude=exclude, strip_prefix=strip_prefix)
+    config_bytes = model_config(manifest, config, single_file, out)  # checked before anything is written
     output = prepare(folder, names, single_file, overwrite, [Location(ckpt, storage_options), source])
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
@@ -79,12 +91,13 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
         write = _write_rank_major if folder.local else _write_streaming
         write(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
     if output is not None:
-        finish_folder(output, names, shards, total)
-    return [folder.url_of(name) for name in names]
+        finish_folder(output, names, shards, total, config_bytes)
+    return [folder.url_of(name) for name in names] + ([folder.url_of(CONFIG_NAME)] if config_bytes else [])
 
 
-def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
-         max_shard_size: str | None) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
+def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, max_shard_size: str | None,
+         include: list[str] | None = None, exclude: list[str] | None = None, strip_prefix: list[str] | None = None,
+         ) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
     """What consolidate writes: (folder, file names, tensors per file, total bytes, single file?)."""
     storage_options = source.storage_options
     if dtype is not None and dtype not in CAST_DTYPES:
@@ -100,6 +113,7 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
         base = next((t for t in tensors if t.name == target), None)
         if base is not None:
             tensors.append(OutputTensor(alias, base.source, base.dtype))
+    tensors = choose(source.url, tensors, include, exclude, strip_prefix)
 
     single_file = out.rstrip("/").endswith(".safetensors")
     if single_file and max_shard_size:
@@ -114,6 +128,73 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None,
         names = ([HF_SINGLE_NAME] if count == 1
                  else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
+
+
+def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exclude: list[str] | None,
+           strip_prefix: list[str] | None) -> list[OutputTensor]:
+    """The tensors `include`/`exclude` select (load_state_dict's rules), renamed by `strip_prefix`.
+    A glob matching no tensor is an error (a typo would otherwise silently change the output)."""
+    names = [t.name for t in tensors]
+    for flag, globs in (("--include", include), ("--exclude", exclude)):
+        for glob in globs or ():
+            if not select(names, glob):
+                raise ZeroshardError(f"{url}: {flag} {glob!r} matches no tensor (`zeroshard inspect --tensors` "
+                                     f"lists the {len(names)} names)")
+    chosen = set(select(names, include or None, exclude))
+    if not chosen:
+        raise ZeroshardError(f"{url}: --include/--exclude leave no tensor to write")
+    prefixes = list(strip_prefix or [])
+    out: list[OutputTensor] = []
+    seen: dict[str, str] = {}
+    for t in tensors:
+        if t.name not in chosen:
+            continue
+        new = strip(t.name, prefixes)
+        if not new:
+            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {t.name!r} with an empty name")
+        if new in seen:
+            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {t.name!r} both {new!r}")
+        seen[new] = t.name
+        out.append(OutputTensor(new, t.source, t.dtype))
+    return out
+
+
+def model_config(manifest: Manifest, config: str | None, single_file: bool, out: str) -> bytes | None:
+    """config.json's bytes: the file `config`, else the checkpoint's model config; None for none.
+    A single .safetensors file has no place for it: --config is refused there."""
+    if config is not None:
+        if single_file:
+            raise ZeroshardError(f"{out}: --config writes config.json into an HF folder; give a folder as OUT")
+        try:
+            with open(config, "rb") as f:
+                data = f.read()
+            doc = json.loads(data)
+        except OSError as exc:
+            raise ZeroshardError(f"{config}: cannot read the --config file ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise ZeroshardError(f"{config}: --config is not valid JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise ZeroshardError(f"{config}: --config must hold a JSON object, not {type(doc).__name__}")
+        return data  # copied as given, byte for byte
+    carried = carried_config(manifest)
+    if carried is None or single_file:
+        return None
+    return json.dumps(carried, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def carried_config(manifest: Manifest) -> dict | None:
+    """The model config a checkpoint carries: manifest extra["model_config"], else client state
+    ["model_config"] (e.g. `client_state={"model_config": model.config.to_dict()}`)."""
+    client = manifest.client_state if isinstance(manifest.client_state, dict) else {}
+    for found in (manifest.extra.get("model_config"), client.get("model_config")):
+        if isinstance(found, str):
+            try:
+                found = json.loads(found)
+            except ValueError:
+                continue
+        if isinstance(found, dict):
+            return found
+    return None
 
 
 def prepare(folder: Location, names: list[str], single_file: bool, overwrite: bool,
@@ -176,12 +257,17 @@ def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
     return chunk if src == dst else cast_bytes(chunk, src, dst)
 
 
-def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int) -> None:
-    """Commit HF's layout: the index last (it vouches for the files); files of an older export removed."""
+def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int,
+                  config: bytes | None = None) -> None:
+    """Commit HF's layout: the index last (it vouches for the files); files of an older export removed.
+    `config`: written as config.json beside the weights, moved in with them."""
     index = None
     if len(names) > 1:
         weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
         index_json = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         index = (HF_INDEX_NAME, index_json.encode())
+    if config is not None:
+        output.stage.write_bytes(CONFIG_NAME, config)
+        names = [*names, CONFIG_NAME]
     stale = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
     output.commit(names, index, uncommit=[HF_INDEX_NAME], stale=lambda n: bool(stale.match(n)))

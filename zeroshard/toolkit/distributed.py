@@ -99,9 +99,11 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
 
 
 def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None = None, dtype: str | None = None,
-                            overwrite: bool = False, storage_options: dict | None = None,
-                            workers: int = 1) -> list[str]:
-    """Collective: every process calls it; rank 0 plans and creates the outputs, all fill them."""
+                            overwrite: bool = False, storage_options: dict | None = None, workers: int = 1,
+                            include: list[str] | None = None, exclude: list[str] | None = None,
+                            strip_prefix: list[str] | None = None, config: str | None = None) -> list[str]:
+    """Collective: every process calls it; rank 0 plans and creates the outputs, all fill them.
+    include/exclude/strip_prefix/config: as zeroshard.toolkit.consolidate.consolidate."""
     ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
     import torch.distributed as dist
 
@@ -113,15 +115,20 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     def setup() -> dict[str, str]:
         given = Location(ckpt, storage_options)
         source, manifest, digest = _open_source(given)
-        folder, names, shards, total, single_file = single.plan(source, manifest, out, dtype=dtype,
-                                                                max_shard_size=max_shard_size)
+        folder, names, shards, total, single_file = single.plan(
+            source, manifest, out, dtype=dtype, max_shard_size=max_shard_size, include=include, exclude=exclude,
+            strip_prefix=strip_prefix)
         if not folder.local:
             raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
-        opened.update(source=source, manifest=manifest, plan=(folder, names, shards, total, single_file))
+        config_bytes = single.model_config(manifest, config, single_file, out)
+        opened.update(source=source, manifest=manifest, plan=(folder, names, shards, total, single_file),
+                      config=config_bytes)
         size = None if max_shard_size is None else single.parse_size(max_shard_size)
         return _arguments("consolidate", given, source, manifest, digest, {
             "OUT": _where(folder, names[0] if single_file else ""), "--max-shard-size": size, "--dtype": dtype,
-            "--overwrite": overwrite, "-j": workers})
+            "--overwrite": overwrite, "-j": workers, "--include": include or [], "--exclude": exclude or [],
+            "--strip-prefix": strip_prefix or [],  # the config's bytes, not its path: each process reads its own
+            "--config": config_bytes and hashlib.sha256(config_bytes).hexdigest()[:16]})
 
     _same_everywhere(_agree(setup))  # before anything is prepared: nothing written if they differ
     source, manifest = opened["source"], opened["manifest"]
@@ -157,7 +164,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         commit(stage, _finished_stubs(plans, temp_paths))
         stage.fsync(names)
         if prepared[0] is not None:
-            single.finish_folder(prepared[0], names, shards, total)
+            single.finish_folder(prepared[0], names, shards, total, opened["config"])
 
     try:
         _agree(lambda: _run_and_sync(job, tasks[rank::procs], workers))
@@ -168,7 +175,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
             if prepared and prepared[0] is not None and not prepared[0].done:
                 prepared[0].abandon()
         raise
-    return [folder.url_of(name) for name in names]
+    return [folder.url_of(name) for name in names] + ([folder.url_of(single.CONFIG_NAME)] if opened["config"] else [])
 
 
 # ---- agreeing on what to do -------------------------------------------------------------------
@@ -273,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out")
     c.add_argument("--max-shard-size")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    c.add_argument("--include", action="append", metavar="GLOB")
+    c.add_argument("--exclude", action="append", metavar="GLOB")
+    c.add_argument("--strip-prefix", action="append", metavar="PREFIX")
+    c.add_argument("--config", metavar="FILE")
     for each in (p, c):
         each.add_argument("--overwrite", action="store_true")
         each.add_argument("-j", "--workers", type=int, default=1, help="processes per torchrun process")
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             done = f"wrote {url}: {args.world_size} ranks"
         else:
             files = consolidate_distributed(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                                            overwrite=args.overwrite, workers=args.workers)
+                                            overwrite=args.overwrite, workers=args.workers, include=args.include,
+                                            exclude=args.exclude, strip_prefix=args.strip_prefix, config=args.config)
             done = f"wrote {len(files)} file(s) under {args.out}"
         if dist.get_rank() == 0:
             print(done)
