@@ -100,6 +100,7 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.calls = 0
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results),
@@ -125,6 +126,10 @@ class _Pool:
 
 _pools: dict[int, _Pool] = {}
 _ids = itertools.count()
+# Whatever a test leaks into a rank process (process groups a library keeps alive, each with
+# gloo threads polling every 10 ms) would otherwise add up over the whole suite: a pool is
+# replaced after this many calls (a fresh one costs a torch import per rank).
+RECYCLE_AFTER = 25
 
 
 def shutdown_pools() -> None:
@@ -161,9 +166,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 120, *,
     try:
         done = _collect(pool, task_id, timeout)
         ok_pool = True
+        pool.calls += 1
     finally:
         if fresh:
             pool.close() if ok_pool else pool.kill()
+        elif ok_pool and pool.calls >= RECYCLE_AFTER and _pools.get(world_size) is pool:
+            del _pools[world_size]
+            pool.close()
         elif not ok_pool:
             pool.kill()
             if _pools.get(world_size) is pool:
