@@ -24,6 +24,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from zeroshard.errors import ConfigError
 from zeroshard.format import training_state
 
 JSON_TENSOR = "__json__"
@@ -39,7 +40,7 @@ class Stateful(Protocol):
 def scope_of(obj: Any) -> str:
     scope = getattr(obj, "checkpoint_scope", "global")
     if scope not in ("global", "rank"):
-        raise ValueError(f"{type(obj).__name__}.checkpoint_scope must be 'global' or 'rank', not {scope!r}")
+        raise ConfigError(f"{type(obj).__name__}.checkpoint_scope must be 'global' or 'rank', not {scope!r}")
     return scope
 
 
@@ -55,17 +56,17 @@ def name_stateful(positional: tuple[Any, ...], named: Mapping[str, Any]) -> dict
             raise TypeError(f"cannot tell under which name to save a {type(obj).__name__}: pass it by keyword "
                             f"(Checkpointer(engine, name=obj)) or give it a `checkpoint_key` attribute")
         if key in out:
-            raise ValueError(f"two stateful objects would be saved as {key!r}: pass them by keyword")
+            raise ConfigError(f"two stateful objects would be saved as {key!r}: pass them by keyword")
         out[key] = obj
     for key, obj in named.items():
         if key in out:
-            raise ValueError(f"two stateful objects would be saved as {key!r}")
+            raise ConfigError(f"two stateful objects would be saved as {key!r}")
         out[key] = obj
     for key, obj in out.items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"{key!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
         if not key or "/" in key:
-            raise ValueError(f"stateful key {key!r} must be a non-empty name without '/'")
+            raise ConfigError(f"stateful key {key!r} must be a non-empty name without '/'")
         scope_of(obj)
     return out
 
