@@ -14,7 +14,7 @@ from zeroshard.deepspeed.launch import init_distributed
 from zeroshard.deepspeed.lr_schedules import build_scheduler
 from zeroshard.deepspeed.optimizers import build_optimizer
 from zeroshard.deepspeed.zero import register_engine
-from zeroshard.errors import ConfigError, UnsupportedFeatureError
+from zeroshard.errors import ArgumentTypeError, ConfigError, UnsupportedFeatureError
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
@@ -38,7 +38,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                **unsupported: Any) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
     """Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed."""
     if unsupported:
-        raise TypeError(f"initialize() got unsupported arguments: {', '.join(sorted(unsupported))}")
+        raise ArgumentTypeError(f"initialize() got unsupported arguments: {', '.join(sorted(unsupported))}")
     if model is None:
         raise ConfigError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
@@ -62,7 +62,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     elif callable(optimizer):  # DeepSpeed calls a client optimizer factory with model_parameters
         opt = optimizer(params)
     else:
-        raise TypeError(f"optimizer must be a torch optimizer or a callable, not {type(optimizer).__name__}")
+        raise ArgumentTypeError(f"optimizer must be a torch optimizer or a callable, not {type(optimizer).__name__}")
 
     import zeroshard
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, EngineUsageError
 
 WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "log", "linear"
 
@@ -51,7 +51,7 @@ class _Schedule:
     last_batch_iteration: int
 
     def get_lr(self) -> list[float]:
-        raise NotImplementedError
+        raise NotImplementedError  # internal: abstract; every scheduler here defines get_lr
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
@@ -60,7 +60,7 @@ class _Schedule:
 
     def get_last_lr(self) -> list[float]:
         if getattr(self, "_last_lr", None) is None:
-            raise RuntimeError("need to call step() first")
+            raise EngineUsageError("need to call step() first")
         return self._last_lr
 
     def state_dict(self) -> dict[str, Any]:
