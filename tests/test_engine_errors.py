@@ -130,16 +130,16 @@ def errors() -> list[dict[str, tuple[str, str]]]:
 @pytest.mark.parametrize("case, kind, words", [
     ("step_without_backward", "EngineUsageError", "without engine.backward"),
     ("second_step", "EngineUsageError", "without engine.backward"),
-    ("no_parameters", "ValueError", "has no parameters"),
+    ("no_parameters", "InvalidArgumentError", "has no parameters"),
     ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]: zero_optimization.stage is 2 on "
                                        "rank 1, 1 on rank 0"),
     ("model_mismatch", "RanksBuiltDifferentModelsError",
      "ranks built different models: rank 1 has 31 parameters, rank 0 19 (parameter 'blocks.1.gain' is on rank 1 only)"),
     ("plain_loss_backward", "EngineUsageError", "call engine.backward(loss)"),
-    ("lbfgs", "TypeError", "LBFGS updates whole tensors"),
+    ("lbfgs", "ArgumentTypeError", "LBFGS updates whole tensors"),
     ("outside_unit", "EngineUsageError", "stage3_unit_classes"),
     ("outside_unit_fixed", "no error", ""),
-    ("unknown_unit_class", "ValueError", "no module of class ['Blok']"),
+    ("unknown_unit_class", "ConfigError", "no module of class ['Blok']"),
 ])
 def test_bad_use_raises_on_every_rank(errors: list[dict], case: str, kind: str, words: str) -> None:
     for rank_errors in errors:

@@ -8,11 +8,14 @@ Every error zeroshard raises on purpose is a ZeroshardError (zeroshard/errors.py
 from typing import Any
 
 from zeroshard.errors import (
+    ArgumentTypeError,
     CheckpointError,
     CheckpointSaveError,
     ClaimError,
     ConfigError,
     EngineUsageError,
+    InvalidArgumentError,
+    MissingKeyError,
     OtherRanksFailedError,
     OutputExistsError,
     PeerLostError,
@@ -26,7 +29,8 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
            "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
-           "ConfigError", "EngineUsageError", "RanksBuiltDifferentModelsError", "UnsupportedFeatureError",
+           "ConfigError", "InvalidArgumentError", "ArgumentTypeError", "MissingKeyError",
+           "EngineUsageError", "RanksBuiltDifferentModelsError", "UnsupportedFeatureError",
            "load_state_dict", "open_tensors",
            "__version__"]
 
@@ -43,4 +47,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")  # internal: module __getattr__ protocol

@@ -11,6 +11,9 @@ The whole hierarchy, every class exported from `zeroshard`:
     +-- OtherRanksFailedError       raised on the ranks that did not fail, naming those that did
     +-- PeerLostError               a collective lost contact with other ranks (a node died), naming them
     +-- ConfigError (also ValueError)  an invalid engine config
+    +-- InvalidArgumentError (also ValueError)  a value passed to a public function is invalid
+    +-- ArgumentTypeError (also TypeError)  a value passed to a public function has the wrong type
+    +-- MissingKeyError (also KeyError)  names asked for or given that are not there (state dicts, ranks)
     +-- EngineUsageError (also RuntimeError)  the engine used out of order or against its rules
         +-- RanksBuiltDifferentModelsError  initialize() found ranks that built different models
     +-- UnsupportedFeatureError (also NotImplementedError)  a DeepSpeed feature zeroshard.deepspeed refuses
@@ -102,6 +105,22 @@ class PeerLostError(ZeroshardError):
 
 class ConfigError(ZeroshardError, ValueError):
     """An invalid engine config (unknown key, bad value or type); names the key."""
+
+
+class InvalidArgumentError(ZeroshardError, ValueError):
+    """A value passed to a public function is invalid (the message names it); still a ValueError for callers
+    that catch that."""
+
+
+class ArgumentTypeError(ZeroshardError, TypeError):
+    """A value passed to a public function has the wrong type (the message names it and the type expected)."""
+
+
+class MissingKeyError(ZeroshardError, KeyError):
+    """Names that were asked for or given are not there (parameters of a state dict, a rank of a manifest)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class EngineUsageError(ZeroshardError, RuntimeError):

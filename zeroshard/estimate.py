@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import click
 
+from zeroshard.errors import ConfigError
+
 BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}  # (params, grads, optimizer) per param
 STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -51,21 +53,21 @@ def parse_count(text: str | float | int) -> float:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
         if not m:
-            raise ValueError(f"not a parameter count: {text!r} (examples: 7.5B, 350M, 1.3e9)")
+            raise ConfigError(f"not a parameter count: {text!r} (examples: 7.5B, 350M, 1.3e9)")
         value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
     if value <= 0:
-        raise ValueError(f"parameter count must be positive, got {text!r}")
+        raise ConfigError(f"parameter count must be positive, got {text!r}")
     return value
 
 
 def model_state_bytes(params: float, gpus: int, stage: int, dtype: str = "bf16") -> Estimate:
     """Per-GPU bytes of parameters, gradients and optimizer states at ZeRO `stage`."""
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3, got {stage}")
+        raise ConfigError(f"stage must be 0-3, got {stage}")
     if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
+        raise ConfigError(f"gpus must be >= 1, got {gpus}")
     if dtype not in BYTES:
-        raise ValueError(f"dtype must be one of {sorted(BYTES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(BYTES)}, got {dtype!r}")
     p, g, k = (b * params for b in BYTES[dtype])
     return Estimate(stage, p / gpus if stage >= 3 else p, g / gpus if stage >= 2 else g,
                     k / gpus if stage >= 1 else k)

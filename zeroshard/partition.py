@@ -14,22 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from zeroshard.errors import InvalidArgumentError
+
 Range = tuple[int, int]  # half-open [start, end) in flat element indices
 
 
 def chunk_size(numel: int, world_size: int) -> int:
     """Elements per rank's (padded) chunk of a tensor of `numel` elements."""
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
     if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
+        raise InvalidArgumentError(f"numel must be >= 0, got {numel}")
     return -(-numel // world_size)
 
 
 def shard_range(numel: int, world_size: int, rank: int) -> Range:
     """The flat element range rank `rank` owns; empty (start == end) when it owns nothing."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        raise InvalidArgumentError(f"rank {rank} out of range for world_size {world_size}")
     size = chunk_size(numel, world_size)
     start = min(rank * size, numel)
     return start, min(start + size, numel)
@@ -87,10 +89,10 @@ def pieces(target: Range, sources: Sequence[Range]) -> list[Piece]:
         if piece.target_offset != cursor:
             kind = "overlap" if piece.target_offset < cursor else "gap"
             at = target[0] + min(cursor, piece.target_offset)
-            raise ValueError(f"sources {kind} at element {at} of range {target}")
+            raise InvalidArgumentError(f"sources {kind} at element {at} of range {target}")
         cursor += piece.length
     if cursor != target[1] - target[0]:
-        raise ValueError(f"sources leave a gap at element {target[0] + cursor} of range {target}")
+        raise InvalidArgumentError(f"sources leave a gap at element {target[0] + cursor} of range {target}")
     return found
 
 
@@ -100,11 +102,11 @@ def check_tiling(ranges: Iterable[Range], numel: int) -> None:
     cursor = 0
     for start, end in nonempty:
         if start < 0 or end > numel:
-            raise ValueError(f"range [{start}, {end}) is outside [0, {numel})")
+            raise InvalidArgumentError(f"range [{start}, {end}) is outside [0, {numel})")
         if start < cursor:
-            raise ValueError(f"ranges overlap at element {start}")
+            raise InvalidArgumentError(f"ranges overlap at element {start}")
         if start > cursor:
-            raise ValueError(f"elements [{cursor}, {start}) are not covered")
+            raise InvalidArgumentError(f"elements [{cursor}, {start}) are not covered")
         cursor = end
     if cursor != numel:
-        raise ValueError(f"elements [{cursor}, {numel}) are not covered")
+        raise InvalidArgumentError(f"elements [{cursor}, {numel}) are not covered")

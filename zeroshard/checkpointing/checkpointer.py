@@ -28,6 +28,7 @@ from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
 from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
+from zeroshard.errors import ConfigError
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.storage import Location
 
@@ -68,9 +69,9 @@ class Checkpointer:
         objects = {**self.stateful, **name_stateful((), stateful or {})}
         tag = tag or f"step-{engine.global_steps:08d}"
         if not is_safe_file_name(tag):
-            raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
+            raise ConfigError(f"checkpoint tag {tag!r} must be a plain folder name")
         if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1")
+            raise ConfigError("keep_last must be at least 1")
         root = Location(path, storage_options)
         error = contents = background = None
         rank_state = b""

@@ -28,7 +28,7 @@ import torch
 from zeroshard.agree import agree
 from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restoring, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
-from zeroshard.errors import CheckpointError, StorageError, ZeroshardError
+from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
@@ -194,7 +194,7 @@ def training_fields(target: EngineState, manifest: Manifest, where: str, load_op
 
 def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} is {value!r}, not a count")
+        raise InvalidArgumentError(f"{what} is {value!r}, not a count")
     return value
 
 
@@ -204,7 +204,7 @@ def _param_groups(target: EngineState, manifest: Manifest) -> tuple[ParamGroup, 
     groups = (manifest.optimizer or {}).get("param_groups") or []
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params", []), list)
                                                for g in groups):
-        raise ValueError("optimizer.param_groups must be a list of objects with a `params` list")
+        raise InvalidArgumentError("optimizer.param_groups must be a list of objects with a `params` list")
     if [list(g.get("params") or []) for g in groups] != [list(g.params) for g in target.param_groups or ()]:
         return None
     return tuple(ParamGroup(tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in groups)

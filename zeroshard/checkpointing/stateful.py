@@ -24,6 +24,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from zeroshard.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from zeroshard.format import training_state
 
 JSON_TENSOR = "__json__"
@@ -39,7 +40,7 @@ class Stateful(Protocol):
 def scope_of(obj: Any) -> str:
     scope = getattr(obj, "checkpoint_scope", "global")
     if scope not in ("global", "rank"):
-        raise ValueError(f"{type(obj).__name__}.checkpoint_scope must be 'global' or 'rank', not {scope!r}")
+        raise ConfigError(f"{type(obj).__name__}.checkpoint_scope must be 'global' or 'rank', not {scope!r}")
     return scope
 
 
@@ -52,20 +53,20 @@ def name_stateful(positional: tuple[Any, ...], named: Mapping[str, Any]) -> dict
         if key is None and isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             key = "lr_scheduler"
         if key is None:
-            raise TypeError(f"cannot tell under which name to save a {type(obj).__name__}: pass it by keyword "
+            raise ArgumentTypeError(f"cannot tell under which name to save a {type(obj).__name__}: pass it by keyword "
                             f"(Checkpointer(engine, name=obj)) or give it a `checkpoint_key` attribute")
         if key in out:
-            raise ValueError(f"two stateful objects would be saved as {key!r}: pass them by keyword")
+            raise ConfigError(f"two stateful objects would be saved as {key!r}: pass them by keyword")
         out[key] = obj
     for key, obj in named.items():
         if key in out:
-            raise ValueError(f"two stateful objects would be saved as {key!r}")
+            raise ConfigError(f"two stateful objects would be saved as {key!r}")
         out[key] = obj
     for key, obj in out.items():
         if not isinstance(obj, Stateful):
-            raise TypeError(f"{key!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
+            raise ArgumentTypeError(f"{key!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
         if not key or "/" in key:
-            raise ValueError(f"stateful key {key!r} must be a non-empty name without '/'")
+            raise ConfigError(f"stateful key {key!r} must be a non-empty name without '/'")
         scope_of(obj)
     return out
 
@@ -141,7 +142,7 @@ def decode_rank_state(blob: bytes, where: str) -> dict[str, Any]:
     try:
         return parse_rank_state(blob)
     except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+        raise InvalidArgumentError(f"{where}: {exc}") from None
 
 
 def parse_rank_state(blob: bytes) -> dict[str, Any]:
@@ -152,10 +153,10 @@ def parse_rank_state(blob: bytes) -> dict[str, Any]:
         tensors = load(blob)
         tree = json.loads(bytes(tensors.pop(JSON_TENSOR).numpy()).decode())
         if not isinstance(tree, dict):
-            raise ValueError("its JSON is not an object")
+            raise ValueError("its JSON is not an object")  # internal: caught below, reported as a malformed blob
         return {str(key): _resolve(state, tensors) for key, state in tree.items()}
     except Exception as exc:  # any malformation of the blob (absurd nesting included): one message
-        raise ValueError(f"malformed rank-state blob ({one_line(exc)})") from None
+        raise InvalidArgumentError(f"malformed rank-state blob ({one_line(exc)})") from None
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -179,7 +180,8 @@ def _resolve(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__tensor__"}:
             if value["__tensor__"] not in tensors:
-                raise ValueError(f"names a missing tensor {value['__tensor__']!r}")
+                raise ValueError(  # internal: caught in decode_rank_state, reported as a malformed blob
+                    f"names a missing tensor {value['__tensor__']!r}")
             return tensors[value["__tensor__"]]
         return {k: _resolve(v, tensors) for k, v in value.items()}
     if isinstance(value, list):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.errors import ConfigError
+
 
 class Accelerator:
     def __init__(self, name: str) -> None:
@@ -82,6 +84,6 @@ def get_accelerator() -> Accelerator:
 
         wanted = os.environ.get("DS_ACCELERATOR")
         if wanted not in (None, "cpu", "cuda"):
-            raise ValueError(f"DS_ACCELERATOR={wanted!r}: zeroshard supports 'cuda' and 'cpu'")
+            raise ConfigError(f"DS_ACCELERATOR={wanted!r}: zeroshard supports 'cuda' and 'cpu'")
         _ACCELERATOR = Accelerator(wanted or ("cuda" if torch.cuda.is_available() else "cpu"))
     return _ACCELERATOR

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from zeroshard.errors import ConfigError
+
 GRADIENT_CLIPPING_DEFAULT = 1.0
 _LAYER_KEYS = ("optimizer", "scheduler", "dataloader_drop_last")
 
@@ -34,7 +36,7 @@ def load_config(config: Any) -> dict[str, Any]:
     if isinstance(config, (str, os.PathLike)):
         with open(config, encoding="utf-8") as f:
             return json.load(f)
-    raise ValueError(f"config must be a dict or a JSON file path, not {type(config).__name__}")
+    raise ConfigError(f"config must be a dict or a JSON file path, not {type(config).__name__}")
 
 
 def batch_sizes(cfg: Mapping[str, Any], world: int) -> tuple[int, int, int]:
@@ -42,7 +44,7 @@ def batch_sizes(cfg: Mapping[str, Any], world: int) -> tuple[int, int, int]:
     total, micro, gas = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), \
         cfg.get("gradient_accumulation_steps")
     if total is None and micro is None:
-        raise ValueError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+        raise ConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
     if total is not None and micro is not None:
         gas = gas if gas is not None else total // (micro * world)
     elif total is not None:
@@ -52,7 +54,7 @@ def batch_sizes(cfg: Mapping[str, Any], world: int) -> tuple[int, int, int]:
         gas = gas or 1
         total = micro * gas * world
     if total != micro * gas * world or micro < 1:
-        raise ValueError(f"train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
+        raise ConfigError(f"train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
                          f"gradient_accumulation_steps={gas} x world_size={world}")
     return int(total), int(micro), int(gas)
 

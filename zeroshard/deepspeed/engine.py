@@ -358,7 +358,7 @@ class DeepSpeedEngine(nn.Module):
         except AttributeError:
             pass
         if name in ("engine", "module") or name.startswith("__"):  # mid-construction, copy, pickle
-            raise AttributeError(name)
+            raise AttributeError(name)  # internal: __getattr__ protocol (copy/pickle probe)
         if name in DEEPSPEED_ENGINE_NAMES:
             raise refusal(name)
         for owner in (self.__dict__.get("module"), self.__dict__.get("engine")):
@@ -367,7 +367,8 @@ class DeepSpeedEngine(nn.Module):
                     return getattr(owner, name)
                 except AttributeError:
                     pass
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        raise AttributeError(  # internal: the __getattr__ protocol, worded as Python words it
+            f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
 def _disabled(self: DeepSpeedEngine) -> bool:

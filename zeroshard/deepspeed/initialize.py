@@ -14,7 +14,7 @@ from zeroshard.deepspeed.launch import init_distributed
 from zeroshard.deepspeed.lr_schedules import build_scheduler
 from zeroshard.deepspeed.optimizers import build_optimizer
 from zeroshard.deepspeed.zero import register_engine
-from zeroshard.errors import UnsupportedFeatureError
+from zeroshard.errors import ArgumentTypeError, ConfigError, UnsupportedFeatureError
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> Any:
@@ -23,11 +23,11 @@ def _config_from(args: Any, config: Any, config_params: Any) -> Any:
     if args is not None:
         from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is not None and from_args is not None:
-        raise ValueError("Not sure how to proceed: a config was given both in the arguments (--deepspeed_config) "
+        raise ConfigError("Not sure how to proceed: a config was given both in the arguments (--deepspeed_config) "
                          "and to initialize()")
     config = config if config is not None else from_args
     if config is None:
-        raise ValueError("no DeepSpeed config: pass config= or --deepspeed_config")
+        raise ConfigError("no DeepSpeed config: pass config= or --deepspeed_config")
     return config
 
 
@@ -38,9 +38,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                **unsupported: Any) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
     """Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed."""
     if unsupported:
-        raise TypeError(f"initialize() got unsupported arguments: {', '.join(sorted(unsupported))}")
+        raise ArgumentTypeError(f"initialize() got unsupported arguments: {', '.join(sorted(unsupported))}")
     if model is None:
-        raise ValueError("deepspeed.initialize requires a model")
+        raise ConfigError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
         raise UnsupportedFeatureError("deepspeed.initialize(mpu=..., mesh_param=...) (DeepSpeed feature: model/"
                                           "sequence parallelism) is not supported by zeroshard.deepspeed: data "
@@ -51,18 +51,18 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters()
                                                                           if p.requires_grad]
     if optimizer is not None and split.optimizer is not None:
-        raise ValueError("an optimizer was passed to initialize() and the config has an 'optimizer' section: "
+        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section: "
                          "keep one")
     if optimizer is None:
         if split.optimizer is None:
-            raise ValueError("no optimizer: pass optimizer= or give the config an 'optimizer' section")
+            raise ConfigError("no optimizer: pass optimizer= or give the config an 'optimizer' section")
         opt = build_optimizer(split.optimizer, params)
     elif isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     elif callable(optimizer):  # DeepSpeed calls a client optimizer factory with model_parameters
         opt = optimizer(params)
     else:
-        raise TypeError(f"optimizer must be a torch optimizer or a callable, not {type(optimizer).__name__}")
+        raise ArgumentTypeError(f"optimizer must be a torch optimizer or a callable, not {type(optimizer).__name__}")
 
     import zeroshard
 

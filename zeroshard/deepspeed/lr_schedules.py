@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
+from zeroshard.errors import ConfigError, EngineUsageError
+
 WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "log", "linear"
 
 
@@ -32,7 +34,7 @@ def update_lr(param_groups: list[dict], lrs: Sequence[float]) -> list[float]:
 def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
-            raise ValueError(f"expected {len(optimizer.param_groups)} values for {name}, got {len(value)}")
+            raise ConfigError(f"expected {len(optimizer.param_groups)} values for {name}, got {len(value)}")
         return list(value)
     return [value] * len(optimizer.param_groups)
 
@@ -49,7 +51,7 @@ class _Schedule:
     last_batch_iteration: int
 
     def get_lr(self) -> list[float]:
-        raise NotImplementedError
+        raise NotImplementedError  # internal: abstract; every scheduler here defines get_lr
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
@@ -58,7 +60,7 @@ class _Schedule:
 
     def get_last_lr(self) -> list[float]:
         if getattr(self, "_last_lr", None) is None:
-            raise RuntimeError("need to call step() first")
+            raise EngineUsageError("need to call step() first")
         return self._last_lr
 
     def state_dict(self) -> dict[str, Any]:
@@ -74,7 +76,7 @@ class WarmupLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None,
                  warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
+            raise ConfigError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.optimizer = optimizer
         if warmup_max_lr is None:
             warmup_max_lr = [g["lr"] for g in optimizer.param_groups]
@@ -129,7 +131,7 @@ class WarmupCosineLR(_Schedule):
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
                  last_batch_iteration: int = -1):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
+            raise ConfigError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.optimizer = optimizer
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
@@ -181,9 +183,9 @@ class OneCycle(_Schedule):
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
         if first <= 0:
-            raise ValueError(f"cycle_first_step_size must be positive, got {first}")
+            raise ConfigError(f"cycle_first_step_size must be positive, got {first}")
         if second < 0:
-            raise ValueError(f"cycle_second_step_size must be non-negative, got {second}")
+            raise ConfigError(f"cycle_second_step_size must be non-negative, got {second}")
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_step_size, self.second_step_size = first, second
@@ -268,7 +270,7 @@ class LRRangeTest(_Schedule):
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
         if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
-            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size}")
+            raise ConfigError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size}")
         self.optimizer = optimizer
         self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
@@ -291,5 +293,5 @@ def build_scheduler(section: dict[str, Any], optimizer: torch.optim.Optimizer) -
     """The config's "scheduler": {"type": ..., "params": {...}} over `optimizer`."""
     kind = section.get("type")
     if kind not in SCHEDULES:
-        raise ValueError(f"scheduler type {kind!r} is not supported (supported: {', '.join(SCHEDULES)})")
+        raise ConfigError(f"scheduler type {kind!r} is not supported (supported: {', '.join(SCHEDULES)})")
     return SCHEDULES[kind](optimizer, **dict(section.get("params") or {}))

@@ -13,6 +13,8 @@ from typing import Any, Iterable
 
 import torch
 
+from zeroshard.errors import ConfigError
+
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 _IGNORED_ADAM_KEYS = ("torch_adam", "fp32_optimizer_states", "set_grad_none")
 _REFUSED = {"onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "muon", "muadam", "muadamw", "musgd"}
@@ -22,13 +24,13 @@ def build_optimizer(section: dict[str, Any], params: Iterable[Any]) -> torch.opt
     kind = str(section.get("type", ""))
     options = dict(section.get("params") or {})
     if "max_grad_norm" in options:
-        raise ValueError("'max_grad_norm' is not an optimizer parameter: use the config's 'gradient_clipping'")
+        raise ConfigError("'max_grad_norm' is not an optimizer parameter: use the config's 'gradient_clipping'")
     lower = kind.lower()
     if lower in ("adam", "adamw"):
         adam_w_mode = options.pop("adam_w_mode", True)
         decoupled = lower == "adamw" or bool(adam_w_mode)
         if options.pop("bias_correction", True) is not True:
-            raise ValueError("optimizer.params.bias_correction=false is not supported (torch Adam always corrects)")
+            raise ConfigError("optimizer.params.bias_correction=false is not supported (torch Adam always corrects)")
         ignored = [k for k in _IGNORED_ADAM_KEYS if options.pop(k, None) is not None]
         if ignored:
             warnings.warn(f"zeroshard ignores optimizer.params {ignored} (torch Adam/AdamW is used)", stacklevel=3)
@@ -36,8 +38,8 @@ def build_optimizer(section: dict[str, Any], params: Iterable[Any]) -> torch.opt
         kwargs["betas"] = tuple(kwargs["betas"])
         return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
     if lower in _REFUSED:
-        raise ValueError(f"optimizer type {kind!r} is not supported by zeroshard (elementwise torch optimizers only)")
+        raise ConfigError(f"optimizer type {kind!r} is not supported by zeroshard (elementwise torch optimizers only)")
     cls = getattr(torch.optim, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer type {kind!r} is neither Adam/AdamW nor a torch.optim class")
+        raise ConfigError(f"optimizer type {kind!r} is neither Adam/AdamW nor a torch.optim class")
     return cls(params, **options)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.errors import InvalidArgumentError
+
 _ENGINE_ATTR = "_zeroshard_engine"
 
 
@@ -58,7 +60,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         refs = {getattr(p, _ENGINE_ATTR, None) for p in self.params} - {None}
         if len(refs) > 1:
-            raise ValueError("GatheredParameters: the parameters belong to different engines")
+            raise InvalidArgumentError("GatheredParameters: the parameters belong to different engines")
         self.engine = next(iter(refs))() if refs else None
         self._allocated: list[torch.Tensor] = []
 

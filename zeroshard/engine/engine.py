@@ -45,7 +45,7 @@ from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
-from zeroshard.errors import EngineUsageError
+from zeroshard.errors import ArgumentTypeError, EngineUsageError, InvalidArgumentError
 from zeroshard.peers import peer_loss_translated
 
 _UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
@@ -92,11 +92,11 @@ def initialize(model: nn.Module,
         if isinstance(optimizer, torch.optim.Optimizer):
             check_user_optimizer(optimizer, model)
         elif not callable(optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
+            raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
                             f"not {type(optimizer).__name__}")
         cfg.resolve_accumulation(dist.get_world_size())
         if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable, not {type(init_fn).__name__}")
+            raise ArgumentTypeError(f"init_fn must be callable, not {type(init_fn).__name__}")
         check_initializable(model, init_fn)
     except (ValueError, TypeError) as e:
         error = e
@@ -107,12 +107,12 @@ def initialize(model: nn.Module,
 
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        raise ArgumentTypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if not any(True for _ in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
+        raise InvalidArgumentError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
     bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if bad:
-        raise ValueError(f"only floating-point parameters can be trained/sharded; not: {bad}")
+        raise InvalidArgumentError(f"only floating-point parameters can be trained/sharded; not: {bad}")
 
 
 class ZeroEngine:
@@ -248,7 +248,7 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise TypeError("engine.backward expects the scalar loss tensor")
+            raise ArgumentTypeError("engine.backward expects the scalar loss tensor")
         if not loss.requires_grad:
             raise EngineUsageError("the loss does not require grad (was forward run under torch.no_grad?)")
         self._reducing = self.stage >= 2 or self.is_gradient_accumulation_boundary()

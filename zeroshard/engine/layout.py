@@ -18,6 +18,7 @@ from typing import Any, Container, Iterator
 import torch
 from torch import nn
 
+from zeroshard.errors import InvalidArgumentError
 from zeroshard.partition import chunk_size, shard_range
 
 
@@ -116,7 +117,7 @@ def set_fragment(master: torch.Tensor, values: torch.Tensor, owned: int) -> None
     """Write `owned` real elements (from a tensor of `owned` or `chunk` elements) and zero the padding."""
     flat = values.reshape(-1)
     if flat.numel() not in (owned, master.numel()):
-        raise ValueError(f"expected {owned} (or {master.numel()} padded) elements, got {flat.numel()}")
+        raise InvalidArgumentError(f"expected {owned} (or {master.numel()} padded) elements, got {flat.numel()}")
     master[:owned].copy_(flat[:owned])
     master[owned:].zero_()
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.errors import InvalidArgumentError
+
 InitFn = Callable[[nn.Module], None]
 
 
@@ -76,7 +78,7 @@ def check_initializable(module: nn.Module, init_fn: InitFn | None) -> None:
         direct = [n for n, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None and t.is_meta]
         if direct and not callable(getattr(m, "reset_parameters", None)):
             where = name or "the root module"
-            raise ValueError(f"{where} ({type(m).__name__}) holds meta tensors {direct} but has no "
+            raise InvalidArgumentError(f"{where} ({type(m).__name__}) holds meta tensors {direct} but has no "
                              "reset_parameters(); pass init_fn=... to zeroshard.initialize")
 
 
@@ -155,7 +157,7 @@ class MetaInit:
             return
         if init_fn is None and not callable(getattr(m, "reset_parameters", None)):
             names = sorted(list(params) + list(buffers))
-            raise ValueError(f"{type(m).__name__} holds meta tensors {names} but has no reset_parameters(); "
+            raise InvalidArgumentError(f"{type(m).__name__} holds meta tensors {names} but has no reset_parameters(); "
                              "pass init_fn=... to zeroshard.initialize to initialize them")
         temps = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
                  for n, p in params.items()}

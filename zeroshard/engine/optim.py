@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard.engine.layout import ParamShard
+from zeroshard.errors import ArgumentTypeError, InvalidArgumentError
 
 # Lower-case class-name fragments of optimizers whose update needs the whole tensor.
 WHOLE_TENSOR_OPTIMIZERS = ("lbfgs", "adafactor", "muon", "shampoo", "soap", "lamb", "lars",
@@ -26,7 +27,7 @@ def check_elementwise(cls: type) -> None:
     names = [k.__name__.lower() for k in cls.__mro__ if k not in (object, torch.optim.Optimizer)]
     for fragment in WHOLE_TENSOR_OPTIMIZERS:
         if any(fragment in n for n in names):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{cls.__name__} updates whole tensors (norms/factored or matrix state); ZeRO "
                 "partitions each tensor by flat element ranges, so only elementwise optimizers "
                 "(Adam, AdamW, SGD, Adagrad, RMSprop, ...) are supported")
@@ -36,18 +37,18 @@ def check_user_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) ->
     """The optimizer must be fresh, elementwise, and built on this module's parameters."""
     check_elementwise(type(optimizer))
     if any(len(s) for s in optimizer.state.values()):
-        raise ValueError("the optimizer already has state (was it stepped?); pass a fresh optimizer "
+        raise InvalidArgumentError("the optimizer already has state (was it stepped?); pass a fresh optimizer "
                          "or a factory `params -> optimizer` to zeroshard.initialize")
     known = {id(p) for p in module.parameters()}
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in known:
-                raise ValueError(f"optimizer param_groups[{i}] holds a tensor of shape {tuple(p.shape)} "
+                raise InvalidArgumentError(f"optimizer param_groups[{i}] holds a tensor of shape {tuple(p.shape)} "
                                  "that is not a parameter of the model")
     in_groups = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in in_groups:
-            raise ValueError(f"parameter {name!r} requires grad but is in no optimizer param group; "
+            raise InvalidArgumentError(f"parameter {name!r} requires grad but is in no optimizer param group; "
                              "add it or set requires_grad=False")
 
 
@@ -67,18 +68,19 @@ def build_optimizer(optimizer: Any, shards: Sequence[ParamShard]) -> torch.optim
             kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             built = cls(groups, **kwargs)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"could not rebuild {cls.__name__} over the parameter shards ({e}); "
+            raise ArgumentTypeError(f"could not rebuild {cls.__name__} over the parameter shards ({e}); "
                             "pass a factory `params -> optimizer` to zeroshard.initialize instead") from e
     elif callable(optimizer):
         built = optimizer([s.master for s in trainable])
         if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch optimizer")
+            raise ArgumentTypeError(f"the optimizer factory returned {type(built).__name__}, not a torch optimizer")
         check_elementwise(type(built))
         ours = {id(s.master) for s in trainable}
         if any(id(p) not in ours for g in built.param_groups for p in g["params"]):
-            raise ValueError("the optimizer factory must build the optimizer on the params it is given")
+            raise InvalidArgumentError("the optimizer factory must build the optimizer on the params it is given")
     else:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, not {type(optimizer).__name__}")
+        raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
+                                f"not {type(optimizer).__name__}")
     return built
 
 

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from zeroshard.engine.collectives import Gather, start_gather
 from zeroshard.engine.layout import ParamShard
+from zeroshard.errors import ConfigError
 
 
 @dataclass(eq=False)
@@ -59,7 +60,7 @@ def plan_units(module: nn.Module, shards: Sequence[ParamShard], classes: Sequenc
     shard_of = {id(s.param): s for s in shards}
     unknown = set(classes) - {type(m).__name__ for m in module.modules()}
     if unknown:
-        raise ValueError(f"zero_optimization.stage3_unit_classes: no module of class {sorted(unknown)} "
+        raise ConfigError(f"zero_optimization.stage3_unit_classes: no module of class {sorted(unknown)} "
                          f"in {type(module).__name__}")
     roots = [name for name, m in module.named_modules()
              if type(m).__name__ in classes or (predicate is not None and predicate(m))]

@@ -16,6 +16,7 @@ from zeroshard.engine.collectives import gather_into_params
 from zeroshard.engine.contract import BufferState, Counters, EngineState, ParamGroup
 from zeroshard.engine.layout import ShardInfo, rows_to_flat, set_fragment
 from zeroshard.engine.optim import group_names
+from zeroshard.errors import InvalidArgumentError, MissingKeyError
 
 if TYPE_CHECKING:
     from zeroshard.engine.engine_view import EngineView
@@ -46,7 +47,7 @@ def load_shards(engine: "EngineView", states: Mapping[str, Mapping[str, Any]], s
     unknown = sorted(set(states) - set(by_name))
     missing = sorted(set(by_name) - set(states))
     if unknown or (strict and missing):
-        raise KeyError(f"load_shards: unknown parameters {unknown}, missing parameters {missing}")
+        raise MissingKeyError(f"load_shards: unknown parameters {unknown}, missing parameters {missing}")
     engine.wait_params()  # no in-flight gather may land after the values loaded here
     with torch.no_grad():
         for name, st in states.items():
@@ -57,7 +58,7 @@ def load_shards(engine: "EngineView", states: Mapping[str, Mapping[str, Any]], s
             opt = st.get("optimizer_state")
             if opt:
                 if not s.requires_grad:
-                    raise ValueError(f"load_shards: {name!r} is frozen but optimizer state was given")
+                    raise InvalidArgumentError(f"load_shards: {name!r} is frozen but optimizer state was given")
                 engine.optimizer.state[s.master] = {k: _pad_state(v, s.master, s.owned, adopt) for k, v in opt.items()}
     _masters_to_params(engine, [by_name[n] for n in states])
 
@@ -131,7 +132,7 @@ def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], st
     missing = [k for k in refs if k not in state_dict]
     unexpected = [k for k in state_dict if k not in refs]
     if strict and (missing or unexpected):
-        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        raise MissingKeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     engine.wait_params()
     with torch.no_grad():
         for key, ref in refs.items():
@@ -141,7 +142,7 @@ def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], st
             s = engine.shard_of(ref)
             if s is not None:
                 if tuple(value.shape) != tuple(s.shape):
-                    raise ValueError(f"{key}: shape {tuple(value.shape)} != model's {tuple(s.shape)}")
+                    raise InvalidArgumentError(f"{key}: shape {tuple(value.shape)} != model's {tuple(s.shape)}")
                 flat = value.detach().reshape(-1)[s.start: s.end]
                 set_fragment(s.master, flat.to(s.master.device, torch.float32), s.owned)
                 if engine.stage < 3 and s.master.data_ptr() != s.param.data.data_ptr():
@@ -188,14 +189,14 @@ def restore(engine: "EngineView", state: EngineState, strict: bool = True, adopt
     for info in state.params:
         s = by_name.get(info.name)
         if s is not None and (info.start, info.end, info.chunk) != (s.start, s.end, s.chunk):
-            raise ValueError(f"restore: {info.name!r} holds elements [{info.start}, {info.end}) of chunk {info.chunk}; "
-                             f"this rank owns [{s.start}, {s.end}) of chunk {s.chunk}")
+            raise InvalidArgumentError(f"restore: {info.name!r} holds elements [{info.start}, {info.end}) "
+                                       f"of chunk {info.chunk}; this rank owns [{s.start}, {s.end}) of chunk {s.chunk}")
     load_shards(engine, {info.name: {"fragment": info.master, "optimizer_state": info.optimizer_state}
                          for info in state.params}, strict=strict, adopt=adopt)
     own = dict(engine.module.named_buffers())
     unknown = [b.name for b in state.buffers if b.name not in own]
     if unknown:
-        raise KeyError(f"restore: unknown buffers {unknown}")
+        raise MissingKeyError(f"restore: unknown buffers {unknown}")
     with torch.no_grad():
         for b in state.buffers:
             target = own[b.name]
@@ -214,10 +215,10 @@ def restore(engine: "EngineView", state: EngineState, strict: bool = True, adopt
 def _restore_param_groups(engine: "EngineView", saved: tuple[ParamGroup, ...]) -> None:
     groups = engine.optimizer.param_groups
     if len(saved) != len(groups):
-        raise ValueError(f"saved state has {len(saved)} param groups, the optimizer {len(groups)}")
+        raise InvalidArgumentError(f"saved state has {len(saved)} param groups, the optimizer {len(groups)}")
     for g, group, names in zip(groups, saved, group_names(engine.optimizer, engine.shards)):
         if list(group.params) != names:
-            raise ValueError(f"param group members differ: saved {list(group.params)} vs {names}")
+            raise InvalidArgumentError(f"param group members differ: saved {list(group.params)} vs {names}")
         # JSON turned tuples (Adam's betas) into lists: give them back their type
         g.update({k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
                   for k, v in group.options.items() if k != "params"})

@@ -8,7 +8,7 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-from zeroshard.errors import CheckpointError, ZeroshardError
+from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -133,5 +133,5 @@ def commit_checkpoint(location: Location, manifest: Manifest, previous_names: li
 def update_latest(root: Location, checkpoint_name: str) -> None:
     """Point `root/latest` at `checkpoint_name` (a committed checkpoint folder inside root)."""
     if not is_safe_file_name(checkpoint_name):
-        raise ValueError(f"checkpoint name {checkpoint_name!r} is not a plain folder name")
+        raise InvalidArgumentError(f"checkpoint name {checkpoint_name!r} is not a plain folder name")
     root.write_bytes(LATEST_NAME, (checkpoint_name + "\n").encode())

@@ -117,7 +117,7 @@ class RankLayouts:
         text = raw[8:].rstrip(b" ")
         head = _PREFIX + _metadata_json(metadata)
         if not text.startswith(head):  # build_header_bytes composes differently: this module must follow
-            raise AssertionError("rank header layout changed; update zeroshard.format.layouts")
+            raise AssertionError("rank header layout changed; update zeroshard.format.layouts")  # internal: code drift
         order = [self.index[t.name] for t, _, _ in contents]
         begin = [relative[t.name][2] for t, _, _ in contents]
         nbytes = [relative[t.name][3] - relative[t.name][2] for t, _, _ in contents]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from zeroshard import __version__
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, MissingKeyError
 from zeroshard.partition import shard_range
 from zeroshard.storage.hashing import HASH_ALGORITHM
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
@@ -142,7 +142,7 @@ class Manifest:
         if entry is None or entry.rank != rank:
             entry = next((f for f in self.files if f.rank == rank), None)
         if entry is None:
-            raise KeyError(rank)
+            raise MissingKeyError(rank)
         return entry
 
     def to_json(self) -> bytes:
@@ -190,7 +190,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {key!r}")  # internal: json hook, reported as CheckpointError
         out[key] = value
     return out
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroshard.errors import ArgumentTypeError
+
 RANK_STATE_PREFIX = "rank-state/"
 ENGINE_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")  # extra.engine, in Counters' order
 
@@ -59,7 +61,7 @@ def to_json_value(value: Any, what: str, tensor_hint: str = "") -> Any:
     is_tensor = _is_tensor(value)
     if is_tensor and value.dim() == 0:
         return value.item()
-    raise TypeError(f"{what}: {type(value).__name__} value {str(value)[:80]} cannot be stored as JSON"
+    raise ArgumentTypeError(f"{what}: {type(value).__name__} value {str(value)[:80]} cannot be stored as JSON"
                     f"{tensor_hint if is_tensor else ''}")
 
 

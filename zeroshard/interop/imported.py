@@ -43,7 +43,7 @@ class LazyTensor:
     def reshape(self, *shape: Any) -> "LazyTensor":
         """Only the flat view (what write.py asks for): ranges are flat already."""
         if tuple(shape) not in ((-1,), ((-1,),), (self.numel(),)):
-            raise NotImplementedError("a LazyTensor reshapes only to flat")
+            raise NotImplementedError("a LazyTensor reshapes only to flat")  # internal: write.py reshapes to flat only
         return self
 
     def read(self, start: int, end: int) -> Any:

@@ -23,7 +23,7 @@ import stat
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from zeroshard.errors import StorageError
+from zeroshard.errors import InvalidArgumentError, StorageError
 from zeroshard.storage.describe import describe_error
 from zeroshard.storage.owner import owner_tag
 from zeroshard.storage.remote_io import BlockBudget, split_options
@@ -78,7 +78,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"storage option {pair!r} is not key=value")
+            raise InvalidArgumentError(f"storage option {pair!r} is not key=value")
         try:
             options[key] = json.loads(value)
         except ValueError:

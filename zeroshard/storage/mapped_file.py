@@ -22,6 +22,7 @@ import os
 import threading
 import uuid
 
+from zeroshard.errors import InvalidArgumentError
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_tag
 
@@ -45,7 +46,7 @@ class MappedOutput:
 
     def __init__(self, location: Location, name: str, temp_path: str, size: int):
         if not location.local:
-            raise ValueError("MappedOutput is for local folders")
+            raise InvalidArgumentError("MappedOutput is for local folders")
         self.location, self.name, self.temp_path, self.size = location, name, temp_path, size
         self.where = location.url_of(name)
         self._map: mmap.mmap | None = None

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, InvalidArgumentError
 from zeroshard.storage.location import RangeReader
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def dtype_name(dtype: "torch.dtype") -> str:
     for name, candidate in _TORCH_ATTRS.items():
         if candidate == attr:
             return name
-    raise ValueError(f"dtype {dtype} has no safetensors equivalent")
+    raise InvalidArgumentError(f"dtype {dtype} has no safetensors equivalent")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -54,7 +54,7 @@ def torch_dtype(name: str) -> "torch.dtype":
     try:
         return getattr(torch, _TORCH_ATTRS[name])
     except (KeyError, AttributeError):
-        raise ValueError(f"unknown safetensors dtype {name!r}") from None
+        raise InvalidArgumentError(f"unknown safetensors dtype {name!r}") from None
 
 
 class HeaderEntry(NamedTuple):  # a tuple: headers of 1,000 rank files hold 300,000 of these
@@ -116,7 +116,7 @@ def _tensors_json(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> tupl
     relative: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     for name, dtype, shape in tensors:
         if name in relative or name == "__metadata__":
-            raise ValueError(f"duplicate or reserved tensor name {name!r}")
+            raise InvalidArgumentError(f"duplicate or reserved tensor name {name!r}")
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         dims = ",".join(map(str, shape)) if len(shape) != 1 else str(shape[0])
         parts.append(f'{_entry_prefix(name, dtype)}{dims}],"data_offsets":[{offset},{offset + nbytes}]}}')
@@ -172,7 +172,7 @@ def parse_header(raw: bytes, where: str, file_size: int | None = None) -> Header
             numel = 1
             for d in shape:
                 if type(d) is not int or d < 0:
-                    raise ValueError
+                    raise ValueError  # internal: caught two lines below (a bad header entry)
                 numel *= d
             ok = dtype in sizes and len(shape) <= MAX_DIMS and type(begin) is int and type(end) is int
             ok = ok and 0 <= begin <= end
