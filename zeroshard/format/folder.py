@@ -64,29 +64,32 @@ def _is_deepspeed_file(name: str) -> bool:
     return name.endswith(("_model_states.pt", "_optim_states.pt"))
 
 
-def foreign_checkpoint_hint(location: Location) -> str | None:
-    """What to run when `location` is a DeepSpeed or DCP checkpoint rather than ours (names
-    only: nothing foreign is read here), else None."""
+def foreign_checkpoint_kind(location: Location) -> tuple[str, str] | None:
+    """(what it is, the `zeroshard import` subcommand) when `location` is a DeepSpeed or DCP
+    checkpoint rather than ours, else None. Names only: nothing foreign is read here."""
     if not location.exists():
         return None
     names = location.list()
-    what = None
     if ".metadata" in names or any(n.startswith("pytorch_model_fsdp_") for n in names):
-        what = ("a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp")
-    elif any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
-        what = ("a DeepSpeed checkpoint", "deepspeed")
-    elif LATEST_NAME in names or any(n.startswith("global_step") for n in names):
-        for step in [n for n in names if n.startswith("global_step")][:3]:
-            try:
-                if any(_is_deepspeed_file(m) for m in location.child(step).list()):
-                    what = ("a DeepSpeed checkpoint folder", "deepspeed")
-                    break
-            except (OSError, ZeroshardError):
-                continue  # not a readable folder: no hint from it
-    if what is None:
+        return "a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp"
+    if any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
+        return "a DeepSpeed checkpoint", "deepspeed"
+    for step in [n for n in names if n.startswith("global_step")][:3]:  # a save_dir with tag folders
+        try:
+            if any(_is_deepspeed_file(m) for m in location.child(step).list()):
+                return "a DeepSpeed checkpoint folder", "deepspeed"
+        except (OSError, ZeroshardError):
+            continue  # not a readable folder: no hint from it
+    return None
+
+
+def foreign_checkpoint_hint(location: Location) -> str | None:
+    """What to run when `location` is a DeepSpeed or DCP checkpoint rather than ours, else None."""
+    kind = foreign_checkpoint_kind(location)
+    if kind is None:
         return None
-    return (f"not a zeroshard checkpoint but {what[0]}: convert it first with "
-            f"`zeroshard import {what[1]} {location.url} OUT`, then use OUT")
+    return (f"not a zeroshard checkpoint but {kind[0]}: convert it first with "
+            f"`zeroshard import {kind[1]} {location.url} OUT`, then use OUT")
 
 
 def _refuse_link(location: Location, name: str) -> None:

@@ -1,15 +1,16 @@
 """The next step, appended to a CLI error when the input is something zeroshard can convert or a
-user can fix: a DeepSpeed or DCP checkpoint given where a zeroshard one is expected, a pickle
-given where safetensors is expected. Looks only at names and a file's first bytes; never raises."""
+user can fix: a DeepSpeed or DCP checkpoint given where a zeroshard one is expected (told apart by
+format.folder.foreign_checkpoint_kind, as resolve_checkpoint's own errors do), a pickle given
+where safetensors is expected. Looks only at names and a file's first bytes; never raises."""
 
 from __future__ import annotations
 
 import os
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.format.folder import foreign_checkpoint_kind
 from zeroshard.storage.location import Location, local_path
 
-DEEPSPEED_MARKS = ("mp_rank_", "zero_pp_rank_")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
@@ -40,20 +41,5 @@ def _pickle_hint(where: str) -> str | None:
 
 
 def _checkpoint_hint(where: str, storage_options: dict | None) -> str | None:
-    folder = Location(where, storage_options)
-    for candidate in (folder, *_latest_target(folder)):
-        names = candidate.list()
-        if any(n.startswith(DEEPSPEED_MARKS) and n.endswith(".pt") for n in names) or \
-                any(candidate.isdir(n) and n.startswith("global_step") for n in names[:64]):
-            return f"it looks like a DeepSpeed checkpoint: convert it with `zeroshard import deepspeed {where} OUT`"
-        if ".metadata" in names and any(n.endswith(".distcp") for n in names):
-            return f"it looks like a DCP (FSDP) checkpoint: convert it with `zeroshard import dcp {where} OUT`"
-    return None
-
-
-def _latest_target(folder: Location) -> list[Location]:
-    """The folder a `latest` file inside `folder` names, if any (DeepSpeed's save_dir has one)."""
-    if not folder.exists("latest"):
-        return []
-    name = folder.read_bytes("latest", 0, 256).decode("utf-8", "replace").strip()
-    return [folder.child(name)] if name and "/" not in name and name not in (".", "..") else []
+    kind = foreign_checkpoint_kind(Location(where, storage_options))
+    return f"it looks like {kind[0]}: convert it with `zeroshard import {kind[1]} {where} OUT`" if kind else None
