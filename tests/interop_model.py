@@ -47,3 +47,30 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = ((i * 7 + step * 5 + rank * 3) % VOCAB).reshape(MICRO_BATCH, SEQ)
     targets = (tokens * 3 + 1 + (i.reshape(MICRO_BATCH, SEQ) % 2)) % VOCAB
     return tokens, targets
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """The loss averaged over the ranks of the default process group."""
+    import torch.distributed as dist
+
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def zeroshard_resumed_losses(rank: int, world_size: int, path: str, stage: int = 3, clip: float = 0.0) -> list[float]:
+    """A rank of run_ranks: zeroshard resumes an imported checkpoint and trains steps 3-5 (the
+    steps the fixtures' own tools trained after saving at step 2); the mean losses."""
+    import zeroshard
+
+    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
+                                  config={"zero_optimization": {"stage": stage}, "gradient_clipping": clip,
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+    engine.load_checkpoint(path)
+    losses = []
+    for step in (3, 4, 5):
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(mean_over_ranks(loss))
+    return losses

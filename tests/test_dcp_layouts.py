@@ -26,7 +26,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from click.testing import CliRunner
 
 from zeroshard.cli import main
@@ -34,18 +33,23 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_import import read_dcp
 
 from distributed import run_ranks
-from interop_model import BETAS, LR, MICRO_BATCH, SEQ, WEIGHT_DECAY, batch, make_model, make_optimizer
+from interop_model import (
+    BETAS,
+    LR,
+    MICRO_BATCH,
+    SEQ,
+    WEIGHT_DECAY,
+    batch,
+    make_model,
+    make_optimizer,
+    mean_over_ranks,
+    zeroshard_resumed_losses,
+)
 
 # tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
 TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
 _TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManager; "
                   "from torchtitan.components.optimizer import OptimizersContainer")
-
-
-def _mean(loss: torch.Tensor) -> float:
-    t = loss.detach().clone()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 def _sharded(world_size: int, seed: int = 0):
@@ -70,7 +74,7 @@ def _fsdp2_layouts(rank, world_size, out):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
         if step == 2:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{out}/optimizer_key")
@@ -97,23 +101,7 @@ def _fsdp2_fresh_optimizer(rank, world_size, path):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
-    return losses
-
-
-def _zeroshard(rank, world_size, path):
-    import zeroshard
-
-    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
-                                  config={"zero_optimization": {"stage": 3},
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
-    engine.load_checkpoint(path)
-    losses = []
-    for step in (3, 4, 5):
-        loss = engine(*batch(step, rank))
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
     return losses
 
 
@@ -124,7 +112,7 @@ def _import(src, out, *extra) -> str:
 
 
 def _resumes_like(out, expected):
-    ours = run_ranks(_zeroshard, 2, path=str(out), init_process_group=False, timeout=240)[0]
+    ours = run_ranks(zeroshard_resumed_losses, 2, path=str(out), init_process_group=False, timeout=240)[0]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, expected)), (ours, expected)
     assert len(ours) == len(expected) == 3
 
@@ -302,7 +290,7 @@ def _torchtitan(rank, world_size, base):
         scheds.step()
         opts.zero_grad()
         train.step, train.ntokens_seen = step + 1, train.ntokens_seen + batch(step, rank)[0].numel()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
         ckpt.save(train.step, last_step=step == 5)
     ckpt.close()
     return losses[3:]
@@ -350,7 +338,7 @@ def _accelerate(rank, world_size, out):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
         if step == 2:  # what Accelerator.save_state does for FSDP, in its order
             save_fsdp_model(plugin, state, model, out)
             save_fsdp_optimizer(plugin, state, opt, model, out)

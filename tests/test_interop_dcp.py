@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from click.testing import CliRunner
 
 from zeroshard.cli import main
@@ -19,15 +18,9 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_import import read_dcp
 
 from distributed import run_ranks
-from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
+from interop_model import batch, make_model, make_optimizer, mean_over_ranks, zeroshard_resumed_losses
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
-
-
-def _mean(loss: torch.Tensor) -> float:
-    t = loss.detach().clone()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 def _fsdp2(rank, world_size, save=None, load=None, steps=(), clip=0.0):
@@ -53,26 +46,10 @@ def _fsdp2(rank, world_size, save=None, load=None, steps=(), clip=0.0):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        losses.append(_mean(loss))
+        losses.append(mean_over_ranks(loss))
         if save is not None and step == 2:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
-    return losses
-
-
-def _zeroshard(rank, world_size, path, stage, clip):
-    import zeroshard
-
-    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
-                                  config={"zero_optimization": {"stage": stage}, "gradient_clipping": clip,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
-    engine.load_checkpoint(path)
-    losses = []
-    for step in (3, 4, 5):
-        loss = engine(*batch(step, rank))
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss))
     return losses
 
 
@@ -89,7 +66,7 @@ def test_import_dcp_resumes_like_fsdp2(tmp_path, fsdp_checkpoint):
     result = CliRunner().invoke(main, ["import", "dcp", str(folder), str(out), "--world", "2", "-q"])
     assert result.exit_code == 0, result.output
     for stage in (3, 1):
-        ours = run_ranks(_zeroshard, 2, path=str(out), stage=stage, clip=0.0, init_process_group=False)[0]
+        ours = run_ranks(zeroshard_resumed_losses, 2, path=str(out), stage=stage, clip=0.0, init_process_group=False)[0]
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, fsdp_next)), (stage, ours, fsdp_next)
     imp = read_dcp(str(folder))
     assert imp.aliases == {"head.weight": "emb.weight"} and list(imp.buffers) == ["scale"]
