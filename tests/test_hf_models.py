@@ -193,7 +193,9 @@ def test_consolidated_checkpoint_loads_with_from_pretrained_and_generates(tmp_pa
     result = CliRunner().invoke(main, ["consolidate", "-q", "--max-shard-size", "20KB", got["url"], str(out)])
     assert result.exit_code == 0, result.output
     assert len(list(out.glob("model-*.safetensors"))) > 1  # really sharded
-    fresh.config.save_pretrained(out)
+    # config.json came along: the engine recorded the model's config in the manifest
+    assert (out / "config.json").is_file()
+    assert transformers.LlamaConfig.from_pretrained(out).to_dict() == fresh.config.to_dict()
     loaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     reference = make("llama").eval()
     reference.load_state_dict(got["state"], strict=False)  # lm_head/embeddings as trained

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
+from zeroshard.checkpointing.model_config import model_config_of
 from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
@@ -81,6 +82,9 @@ class Checkpointer:
                 manifest_extra["stateful"] = {k: to_json_value(o.state_dict(), f"state of {k!r}")
                                               for k, o in objects.items() if scope_of(o) == "global"}
                 client_state = to_json_value(client_state, "client_state") if client_state is not None else None
+                config = model_config_of(engine.module)
+                if config is not None:  # consolidate writes it as config.json by default
+                    manifest_extra["model_config"] = config
             per_rank = {k: o.state_dict() for k, o in objects.items() if scope_of(o) == "rank"}
             rank_state = encode_rank_state(per_rank) if per_rank else b""
             contents = engine_contents(engine.checkpoint_state(), rank_state)

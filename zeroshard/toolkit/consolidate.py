@@ -183,10 +183,11 @@ def model_config(manifest: Manifest, config: str | None, single_file: bool, out:
 
 
 def carried_config(manifest: Manifest) -> dict | None:
-    """The model config a checkpoint carries: manifest extra["model_config"], else client state
-    ["model_config"] (e.g. `client_state={"model_config": model.config.to_dict()}`)."""
+    """The model config a checkpoint carries: client state ["model_config"] when the script gave
+    one (`client_state={"model_config": ...}`), else manifest extra["model_config"] (recorded by
+    the engine's save from `model.config`)."""
     client = manifest.client_state if isinstance(manifest.client_state, dict) else {}
-    for found in (manifest.extra.get("model_config"), client.get("model_config")):
+    for found in (client.get("model_config"), manifest.extra.get("model_config")):
         if isinstance(found, str):
             try:
                 found = json.loads(found)
