@@ -19,6 +19,7 @@ import datetime
 import os
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.distributed as dist
@@ -54,7 +55,7 @@ class Checkpointer:
         self._background: BackgroundSave | None = None
         # copy-on-write (snapshot.py): a step must not change what a background save still reads
         engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_state_change())
-        atexit.register(self._join_at_exit)
+        _LIVE.add(self)  # joined at exit; held weakly, so a dropped Checkpointer frees its engine and group
 
     def save(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
              keep_last: int | None = None, async_save: bool = False, storage_options: dict | None = None,
@@ -154,3 +155,18 @@ class Checkpointer:
             self.wait()
         except BaseException as exc:
             print(f"zeroshard: background checkpoint save failed: {exc}", file=sys.stderr)
+
+    def __del__(self) -> None:
+        # A running save's thread holds this object, so here the save has ended; an error
+        # nobody collected with wait() is still reported, never dropped.
+        if self._error is not None:
+            print(f"zeroshard: background checkpoint save failed: {self._error}", file=sys.stderr)
+
+
+_LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_all_at_exit() -> None:
+    for checkpointer in list(_LIVE):
+        checkpointer._join_at_exit()
