@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from zeroshard.engine.layout import ParamShard
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, StorageError
 
 ALIGN = 4096  # O_DIRECT needs block-aligned addresses, offsets and lengths; 4 KiB fits every common disk
 PARAM_OFFLOAD_KEYS = frozenset({"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
@@ -114,11 +114,18 @@ def _memory(t: torch.Tensor) -> memoryview:
 
 
 def _io(op: Any, fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Read or write all of `view` at `offset` (a failure: one StorageError naming the file)."""
+    what = "read" if op is os.preadv else "write"
     done = 0
     while done < len(view):
-        n = op(fd, [view[done:]], offset + done)
+        try:
+            n = op(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise StorageError(path, f"offload_param {what} of {len(view) - done} bytes at offset "
+                                     f"{offset + done} failed: {e.strerror or e}") from e
         if n <= 0:
-            raise OSError(errno.EIO, f"short {'read' if op is os.preadv else 'write'} at byte {offset + done}", path)
+            raise StorageError(path, f"offload_param {what} stopped short at offset {offset + done} "
+                                     f"({errno.errorcode.get(errno.EIO)}: file truncated?)")
         done += n
 
 
@@ -208,9 +215,12 @@ class NvmeTier(ResidentTier):
                     _io(os.pwritev, fd, _memory(probe), 0, self.path)
                     _io(os.preadv, fd, _memory(probe), 0, self.path)
                     return fd, True
-                except OSError:
+                except StorageError:
                     os.close(fd)
-        return os.open(self.path, flags, 0o600), False
+        try:
+            return os.open(self.path, flags, 0o600), False
+        except OSError as e:
+            raise StorageError(self.path, f"offload_param cannot create its file: {e.strerror or e}") from e
 
     # -- staging buffers ------------------------------------------------------------------
 
@@ -310,7 +320,7 @@ class NvmeTier(ResidentTier):
         for future in self.reads.values():
             try:
                 self._give(future.result())
-            except OSError:
+            except StorageError:
                 pass  # the demand read will raise it again
         self.reads.clear()
 
