@@ -254,3 +254,61 @@ def test_host_tier_is_pinned_on_cuda() -> None:
     target = torch.empty(shards[0].chunk, dtype=torch.bfloat16, device="cuda")
     tier.fill(0, shards[:1], [target])
     torch.testing.assert_close(target.float(), shards[0].master, rtol=1e-2, atol=1e-2)
+
+
+# -- the DeepSpeed facade's offload keys ------------------------------------------------------
+
+
+def test_deepspeed_offload_keys_map_to_the_engine(tmp_path: Path) -> None:
+    from zeroshard.deepspeed.config import split_config
+
+    ds = {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                                      "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True, "pipeline_read": False, "fast_init": False,
+                              "ratio": 1.0, "cpuadam_cores_perc": 0.8}}}
+    zero = ZeroConfig.coerce(split_config(ds, 2).engine).zero_optimization
+    assert zero.offload_param["device"] == "nvme" and zero.offload_param["buffer_size"] == 1e8
+    assert zero.offload_optimizer == {"device": "cpu", "pin_memory": True}
+    # DeepSpeed's deprecated booleans become the sections they stand for (not ignored).
+    old = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                        "cpu_offload_use_pin_memory": False}}
+    zero = ZeroConfig.coerce(split_config(old, 2).engine).zero_optimization
+    assert zero.offload_param == {"device": "cpu", "pin_memory": False} == zero.offload_optimizer
+
+
+@pytest.mark.parametrize("zero, words", [
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer.ratio=0.5"),
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "offload_optimizer.super_offload=True"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "offload_optimizer.device='nvme'"),
+    ({"offload_param": {"device": "cpu", "prefetch_depth": 2}}, "'zero_optimization.offload_param.prefetch_depth'"),
+    ({"cpu_offload_param": True, "offload_param": {"device": "cpu"}}, "zero_optimization.cpu_offload_param and"),
+    ({"cpu_offload": "yes"}, "zero_optimization.cpu_offload must be true or false"),
+])
+def test_deepspeed_offload_keys_refused_name_the_key(zero: dict, words: str) -> None:
+    from zeroshard.deepspeed.config import split_config
+    from zeroshard.errors import ZeroshardError
+
+    with pytest.raises(ZeroshardError) as info:
+        ZeroConfig.coerce(split_config({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, 2).engine)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def deepspeed_run(rank: int, world: int, zero: dict[str, Any]) -> dict[str, Any]:
+    import zeroshard.deepspeed as deepspeed
+
+    model = make_model(layers=3)
+    cfg = {"train_batch_size": 8 * world, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 3, **zero}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    losses = [train_step(engine, b, rank, world, 2) for b in batches(STEPS, 8 * world)]
+    return {"losses": losses, "kind": engine.engine.param_tier.kind}
+
+
+def test_deepspeed_initialize_offloads_params_to_nvme(tmp_path: Path) -> None:
+    plain = run_ranks(deepspeed_run, 2, timeout=240, zero={})[0]
+    nvme = run_ranks(deepspeed_run, 2, timeout=240, zero={
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "cpu_offload": True})[0]
+    assert plain["kind"] == "none" and nvme["kind"] == "nvme"
+    for a, b in zip(nvme["losses"], plain["losses"]):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
