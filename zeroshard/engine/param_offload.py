@@ -175,6 +175,7 @@ class NvmeTier(ResidentTier):
         self.free = [_aligned(need, self.pin) for _ in range(self.count)]
         self.staging_bytes = need * self.count
         self.cond = threading.Condition()
+        self.copies: dict[int, Any] = {}  # staging buffer -> CUDA event of the last copy up from it
         self.pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, self.count)), thread_name_prefix="zs-nvme")
         self._finalizer = weakref.finalize(self, _close_file, self.pool, self.fd, self.path)
         self.reads: dict[int, cf.Future] = {}  # unit -> staging buffer being / already read
@@ -228,12 +229,16 @@ class NvmeTier(ResidentTier):
         with self.cond:
             while not self.free:
                 self.cond.wait()
-            return self.free.pop()
+            buf = self.free.pop()
+            copied = self.copies.pop(buf.data_ptr(), None)
+        if copied is not None:  # an asynchronous copy up from it may still be running
+            copied.synchronize()
+        return buf
 
-    def _give(self, buf: torch.Tensor) -> None:
-        if self.pin:  # an asynchronous copy up may still read it
-            torch.cuda.current_stream(self.device).synchronize()
+    def _give(self, buf: torch.Tensor, copied: Any = None) -> None:
         with self.cond:
+            if copied is not None:
+                self.copies[buf.data_ptr()] = copied
             self.free.append(buf)
             self.cond.notify()
 
@@ -295,13 +300,17 @@ class NvmeTier(ResidentTier):
         self.stats["reads"] += 1
         buf = future.result()
         where = self.plans[unit][1]
+        copied = None
         try:
             for s, t in zip(shards, targets):
                 if s.chunk:
                     pos = where[s.index]
                     t.copy_(buf[pos: pos + s.chunk * self.elem].view(self.dtype), non_blocking=self.pin)
+            if self.pin:  # the buffer is reused only once these copies are done (not the whole stream)
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(self.device))
         finally:
-            self._give(buf)
+            self._give(buf, copied)
 
     def update(self) -> None:
         """The masters changed: drop read-ahead data, write every partition (in the background)."""
