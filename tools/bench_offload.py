@@ -131,43 +131,55 @@ def _dd(args: list[str]) -> float:
     return int(m.group(1)) / float(m.group(2))
 
 
-def bandwidth(args: argparse.Namespace) -> None:
+def _tier_once(args: argparse.Namespace, layers: int) -> tuple[float, float, bool, int]:
+    """(write, read) bytes/s of an NvmeTier over `layers` Linear(dim, dim) units; O_DIRECT used; bytes."""
     from zeroshard.engine.layout import build_shards
     from zeroshard.engine.param_offload import NvmeTier
 
-    layers = max(1, args.mib * MiB // (args.dim * args.dim * 4))
-    with torch.device("cpu"):
-        model = nn.ModuleList(nn.Linear(args.dim, args.dim, bias=False) for _ in range(layers))
+    model = nn.ModuleList(nn.Linear(args.dim, args.dim, bias=False) for _ in range(layers))
     shards = build_shards(model, 1, 0, torch.device("cpu"))
-    unit_bytes = args.dim * args.dim * 4
     tier = NvmeTier([[s] for s in shards], torch.float32, torch.device("cpu"),
                     {"nvme_path": args.dir, "buffer_count": 4, "buffer_size": args.dim * args.dim}, 0)
-    total = tier.size
     t0 = time.perf_counter()
     tier.update()
     tier.flush()
     os.fsync(tier.fd)
-    write = total / (time.perf_counter() - t0)
+    write = tier.size / (time.perf_counter() - t0)
     targets = [torch.empty(s.chunk) for s in shards]
     t0 = time.perf_counter()
     for u in range(len(shards)):
         tier.read_ahead(list(range(u + 1, len(shards))))
         tier.fill(u, [shards[u]], [targets[u]])
-    read = total / (time.perf_counter() - t0)
-    direct = tier.direct
+    read = tier.size / (time.perf_counter() - t0)
+    out = (write, read, tier.direct, tier.size)
     tier.close()
+    return out
+
+
+def bandwidth(args: argparse.Namespace) -> None:
+    layers = max(1, args.mib * MiB // (args.dim * args.dim * 4))
+    unit_bytes = args.dim * args.dim * 4
     path = os.path.join(args.dir, "dd-bench.bin")
-    flags = ["oflag=direct"] if direct else []
-    dd_write = _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}", "conv=fsync", *flags])
-    dd_read = _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *(["iflag=direct"] if direct else [])])
-    os.unlink(path)
+    runs = []
+    for _ in range(args.repeat):  # alternate tier and dd: a shared disk's load changes by the second
+        write, read, direct, total = _tier_once(args, layers)
+        oflag, iflag = (["oflag=direct"], ["iflag=direct"]) if direct else ([], [])
+        dd_write = _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}", "conv=fsync", *oflag])
+        dd_read = _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *iflag])
+        os.unlink(path)
+        runs.append((write, read, dd_write, dd_read))
     print(f"\nNVMe tier vs dd on {args.dir} ({total / MiB:.0f} MiB in {layers} units of {unit_bytes / MiB:.0f} MiB, "
-          f"O_DIRECT {'yes' if direct else 'no: the filesystem refused it'}); "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"O_DIRECT {'yes' if direct else 'no: the filesystem refused it'}); median of {args.repeat} alternating runs "
+          f"[range]; load average {os.getloadavg()[0]:.1f}")
     print("| | tier (MiB/s) | dd (MiB/s) | tier/dd |")
     print("|---|---|---|---|")
-    print(f"| write | {write / MiB:.0f} | {dd_write / MiB:.0f} | {write / dd_write:.2f} |")
-    print(f"| read | {read / MiB:.0f} | {dd_read / MiB:.0f} | {read / dd_read:.2f} |")
+    for name, i in (("write", 0), ("read", 1)):
+        tier = sorted(r[i] / MiB for r in runs)
+        dd = sorted(r[i + 2] / MiB for r in runs)
+        ratio = sorted(r[i] / r[i + 2] for r in runs)
+        mid = len(runs) // 2
+        print(f"| {name} | {tier[mid]:.0f} [{tier[0]:.0f}-{tier[-1]:.0f}] | {dd[mid]:.0f} [{dd[0]:.0f}-{dd[-1]:.0f}] "
+              f"| {ratio[mid]:.2f} [{ratio[0]:.2f}-{ratio[-1]:.2f}] |")
 
 
 def main() -> None:
@@ -178,6 +190,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mib", type=int, default=512, help="bandwidth: bytes of partitions to write and read")
+    ap.add_argument("--repeat", type=int, default=5, help="bandwidth: alternating tier/dd runs")
     ap.add_argument("--dir", help="where the NVMe files go (default: a temporary directory under the cwd)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
