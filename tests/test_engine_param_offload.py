@@ -114,6 +114,28 @@ def test_param_offload_trains_like_no_offload(offload: str, world: int, opt_offl
     assert {p.name for p in tmp_path.iterdir()} == set()  # nvme files removed at close
 
 
+def changing_order(rank: int, world: int, nvme: str | None, buffer_count: int) -> list[float]:
+    """Steps that skip `mix` (a unit) leave the recorded order: read-ahead data goes stale."""
+    model = make_model(layers=3)
+    z: dict[str, Any] = {"stage": 3, "reduce_bucket_size": 3000}
+    if nvme:
+        z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": buffer_count}
+    engine = zeroshard.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2), {"zero_optimization": z})
+    losses = []
+    for i, b in enumerate(batches(5, 4 * world)):
+        model.use_mix = i % 2 == 0
+        losses.append(train_step(engine, b, rank, world, 1))
+    return losses
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2])
+def test_nvme_read_ahead_survives_a_changing_unit_order(buffer_count: int, tmp_path: Path) -> None:
+    plain = run_ranks(changing_order, 2, timeout=240, nvme=None, buffer_count=0)[0]
+    nvme = run_ranks(changing_order, 2, timeout=240, nvme=str(tmp_path), buffer_count=buffer_count)[0]
+    for a, b in zip(nvme, plain):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
 def test_bf16_param_offload_matches_and_holds_bf16(tmp_path: Path) -> None:
     plain = run_ranks(train, 2, timeout=240, offload=None, opt_offload=False, bf16=True)[0]
     cpu = run_ranks(train, 2, timeout=240, offload="cpu", opt_offload=True, bf16=True)[0]
@@ -201,6 +223,12 @@ def _read_back(tier: NvmeTier, shards: list) -> list[torch.Tensor]:
 def test_nvme_tier_round_trips_with_aligned_regions(tmp_path: Path) -> None:
     tier, shards = _tier(tmp_path, buffer_count=2)
     tier.update()
+    # buffer_count staging buffers, one kept for a read on demand: one unit read ahead at most.
+    tier.flush()
+    assert len(tier.free) == 2 and tier.depth == 1
+    tier.read_ahead([0, 1])
+    assert list(tier.reads) == [0]
+    assert tier.report()["param_offload_staging"] == 2 * max(plan[2] for plan in tier.plans)
     assert all(off % ALIGN == 0 for off in tier.offset.values())
     assert tier.size == sum(-(-s.chunk * 4 // ALIGN) * ALIGN for s in shards)
     for got, s in zip(_read_back(tier, shards), shards):
