@@ -20,6 +20,7 @@ from zeroshard.engine.config import ConfigError, ZeroConfig
 from zeroshard.engine.layout import build_shards
 from zeroshard.engine.param_offload import ALIGN, NvmeTier
 
+from checkpoints import read_checkpoint
 from distributed import run_ranks
 from test_engine_models import batches, make_model, micro_batch, train_step
 
@@ -149,8 +150,13 @@ def test_checkpoints_of_offloaded_runs_load_at_another_world_size(tmp_path: Path
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     saved = run_ranks(train, 2, timeout=240, offload="nvme", opt_offload=True, nvme=str(nvme), ckpt=ckpt)[0]
-    reference = run_ranks(train, 2, timeout=240, offload=None, opt_offload=False)[0]
+    reference = run_ranks(train, 2, timeout=240, offload=None, opt_offload=False, ckpt=ckpt + "-plain")[0]
     assert saved["full"].keys() == reference["full"].keys()
+    # The same format: the same tensors (weights and optimizer state) under the same names.
+    got, want = read_checkpoint(ckpt), read_checkpoint(ckpt + "-plain")
+    assert got.keys() == want.keys() and any("exp_avg" in k for k in got)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
     # Resumed at world 3: offloaded to the host, to NVMe, or not at all; all continue alike.
     plain = run_ranks(train, 3, timeout=240, offload=None, opt_offload=False, resume=ckpt)[0]
     cpu = run_ranks(train, 3, timeout=240, offload="cpu", opt_offload=False, resume=ckpt)[0]
