@@ -18,6 +18,7 @@ Files, one concern each:
   optim.py        taking over the user's optimizer (elementwise only) over the fp32 shards
   meta_init.py    zero_init(); materializing a meta-built model module by module
   offload.py      offload_optimizer: where the fp32 masters (and optimizer state) live
+  param_offload.py offload_param (stage 3): the partitions the gathers read, in host memory or files
   param_gather.py stages 1-2: updated params gathered asynchronously, waited for per module
   engine.py       ZeroEngine (forward/backward/step) and initialize()
   contract.py     EngineState: what a checkpoint holds of an engine, as typed values

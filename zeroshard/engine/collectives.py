@@ -11,7 +11,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,9 +98,11 @@ class Gather:
 
 
 def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
-                 async_op: bool, device: torch.device | None = None) -> Gather:
+                 async_op: bool, device: torch.device | None = None,
+                 fill: Callable[[Sequence[ParamShard], list[torch.Tensor]], None] | None = None) -> Gather:
     """All-gather the masters of `shards`, cast to `dtype`, in one collective on `device`
-    (default: the masters'; offloaded masters are copied up from host memory)."""
+    (default: the masters'; offloaded masters are copied up from host memory). `fill(shards,
+    targets)` writes each shard's `chunk` elements instead (stage 3's offload_param tier)."""
     offsets, total = [], 0
     for s in shards:
         offsets.append(total)
@@ -108,9 +110,13 @@ def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, g
     if device is None:
         device = shards[0].master.device if shards else torch.device("cpu")
     inp = torch.empty(total, dtype=dtype, device=device)
-    for s, offset in zip(shards, offsets):
-        # From pinned host memory this is asynchronous, ordered before the collective.
-        inp[offset: offset + s.chunk].copy_(s.master, non_blocking=s.master.is_pinned())
+    targets = [inp[offset: offset + s.chunk] for s, offset in zip(shards, offsets)]
+    if fill is not None:
+        fill(shards, targets)
+    else:
+        for s, t in zip(shards, targets):
+            # From pinned host memory this is asynchronous, ordered before the collective.
+            t.copy_(s.master, non_blocking=s.master.is_pinned())
     out = torch.empty(world * total, dtype=dtype, device=device)
     work = all_gather(out, inp, group, async_op=async_op) if total else None
     return Gather(list(shards), offsets, total, out, work if async_op else None)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from zeroshard.engine.param_offload import check_spec as check_param_offload
 from zeroshard.errors import ConfigError
 
 # DeepSpeed keys accepted but ignored (one warning lists those present).
@@ -139,10 +140,7 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if int(getattr(z, key)) < 1:
                 raise ConfigError(f"zero_optimization.{key} must be >= 1")
-        device = (z.offload_param or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise ConfigError(f"zero_optimization.offload_param.device={device!r}: parameter offload is "
-                              "not supported (offload_optimizer is)")
+        check_param_offload(z.offload_param, z.stage)
         spec = z.offload_optimizer or {}
         unknown = sorted(set(spec) - {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path"})
         if unknown:

@@ -42,6 +42,8 @@ from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
 from zeroshard.engine.offload import master_device
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.param_gather import ParamRefresh
+from zeroshard.engine.param_offload import ResidentTier, choose_tier
+from zeroshard.engine.param_offload import check_path as check_offload_path
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
@@ -98,6 +100,7 @@ def initialize(model: nn.Module,
         if init_fn is not None and not callable(init_fn):
             raise ArgumentTypeError(f"init_fn must be callable, not {type(init_fn).__name__}")
         check_initializable(model, init_fn)
+        check_offload_path(cfg.zero_optimization.offload_param)
     except (ValueError, TypeError) as e:
         error = e
     # Before any collective whose sizes depend on the model: all ranks built the same one, alike.
@@ -175,6 +178,9 @@ class ZeroEngine:
         if meta is not None and self.stage == 3:
             meta.materialize(init_fn, self._set_master, device, self.group)
             self._broadcast_from_rank0(params=False)
+        # offload_param (stage 3): where the partitions the gathers read live (param_offload.py).
+        self.param_tier: ResidentTier = choose_tier(z.offload_param, self._stage3, self.compute_dtype,
+                                                    device, self.rank)
         self.optimizer = build_optimizer(optimizer, self.shards)
         self.scaler = LossScaler(config.fp16)
         self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
@@ -343,6 +349,7 @@ class ZeroEngine:
                         s.param.data.copy_(s.master.view(s.shape))
         elif self._refresh is not None:
             self._refresh.start()  # completed by the next forward's module pre-hooks (param_gather.py)
+        self.param_tier.update()  # offload_param: the partitions follow the masters
 
     def wait_params(self) -> None:
         """Stages 1-2: finish the parameter all-gathers still in flight after step(), so that

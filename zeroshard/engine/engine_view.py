@@ -29,6 +29,7 @@ class EngineView(Protocol):
     shards: list[ParamShard]
     scaler: Any
     reducer: Any
+    param_tier: Any  # param_offload.py: update() after the masters change
     global_steps: int
     micro_steps: int
     skipped_steps: int

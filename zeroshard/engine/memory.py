@@ -24,8 +24,9 @@ def report(engine: "EngineView") -> dict[str, int]:
     stage-3 prefetch buffers and stage 1-2 parameter gathers in flight.
     total = params + grads + optimizer + buffers + comm.
     Informational, not added again: master and optimizer_state (the two parts of `optimizer`:
-    fp32 master weights, 0 when they alias the parameters; the optimizer's own state) and, on
-    CUDA, cuda_allocated.
+    fp32 master weights, 0 when they alias the parameters; the optimizer's own state), with
+    offload_param the bytes of its partitions (param_offload_host, or param_offload_nvme on
+    disk plus param_offload_staging in host buffers) and, on CUDA, cuda_allocated.
     """
     seen: set[tuple[int, str]] = set()
 
@@ -59,6 +60,7 @@ def report(engine: "EngineView") -> dict[str, int]:
     out["total"] = sum(out.values())
     out["master"] = master
     out["optimizer_state"] = opt_state
+    out.update(engine.param_tier.report())  # offload_param: param_offload_host / _nvme / _staging
     if engine.device.type == "cuda":
         out["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
     return out

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from zeroshard.engine.collectives import Gather, start_gather
 from zeroshard.engine.layout import ParamShard
+from zeroshard.engine.param_offload import ResidentTier
 from zeroshard.errors import ConfigError
 
 
@@ -113,6 +114,8 @@ class Stage3:
             for s in u.shards:
                 self.units_of.setdefault(s.index, []).append(u)
         self.holders = {s.index: 0 for s in shards}  # units currently holding each param
+        # Where the gathers read the partitions from (param_offload.py; set by choose_tier).
+        self.tier: ResidentTier = ResidentTier()
         # Unit order of the first forward / backward through the engine.
         self.traces: dict[str, list[int] | None] = {"forward": None, "backward": None}
         self._pass: str | None = None  # the engine pass in progress
@@ -143,7 +146,7 @@ class Stage3:
             self.stats["prefetch_hits"] += 1
         elif any(need):
             gather = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=False,
-                                  device=self.device)
+                                  device=self.device, fill=partial(self.tier.fill, unit.index))
             self.stats["gathers"] += 1
         if gather is not None:
             with torch.no_grad():
@@ -170,7 +173,7 @@ class Stage3:
     def _prefetch(self, unit: Unit) -> None:
         if not unit.held and unit.prefetch is None:
             unit.prefetch = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=True,
-                                         device=self.device)
+                                         device=self.device, fill=partial(self.tier.fill, unit.index))
             self.stats["prefetches"] += 1
 
     def _advance(self, unit: Unit) -> None:
@@ -183,8 +186,14 @@ class Stage3:
             self._cursor += 1
             if self._cursor < len(self._order):
                 self._prefetch(self.units[self._order[self._cursor]])
+                self._read_ahead(self._cursor + 1)
         else:
             self._cursor = None  # this pass deviates from the recorded order
+
+    def _read_ahead(self, position: int) -> None:
+        """Let an NVMe tier start reading the partitions of the units after the next one."""
+        if self.tier.depth:
+            self.tier.read_ahead(self._order[position: position + self.tier.depth])
 
     def release_all(self) -> None:
         """Free everything and drop in-flight prefetches (end of backward, or after an error)."""
@@ -203,6 +212,8 @@ class Stage3:
         self._recording = [] if trace is None else None
         self._order = trace or []
         self._cursor = 0 if (trace is not None and self.prefetch) else None
+        if self._cursor is not None:
+            self._read_ahead(0)
 
     def _end(self) -> None:
         if self._recording is not None and self._pass is not None:

@@ -77,7 +77,8 @@ def _pad_state(value: Any, master: torch.Tensor, owned: int, adopt: bool = False
 
 def _masters_to_params(engine: "EngineView", shards: list) -> None:
     if engine.stage == 3:
-        return  # the next gather reads the masters
+        engine.param_tier.update()  # the next gather reads the masters, or (offload_param) their copy
+        return
     if engine.stage == 0:
         with torch.no_grad():
             for s in shards:
@@ -149,6 +150,7 @@ def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], st
                     s.param.data.copy_(value.detach().view(s.shape).to(s.param.device, s.param.dtype))
             elif torch.is_tensor(ref):
                 ref.data.copy_(value.detach().to(ref.device, ref.dtype))
+    engine.param_tier.update()
 
 
 def checkpoint_state(engine: "EngineView") -> EngineState:
