@@ -336,7 +336,8 @@ def deepspeed_run(rank: int, world: int, zero: dict[str, Any]) -> dict[str, Any]
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 3, **zero}}
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     losses = [train_step(engine, b, rank, world, 2) for b in batches(STEPS, 8 * world)]
-    return {"losses": losses, "kind": engine.engine.param_tier.kind}
+    return {"losses": losses, "kind": engine.engine.param_tier.kind, "getters": (
+        engine.zero_offload_param(), engine.zero_offload_optimizer(), engine.zero_cpu_offload())}
 
 
 def test_deepspeed_initialize_offloads_params_to_nvme(tmp_path: Path) -> None:
@@ -344,5 +345,7 @@ def test_deepspeed_initialize_offloads_params_to_nvme(tmp_path: Path) -> None:
     nvme = run_ranks(deepspeed_run, 2, timeout=240, zero={
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "cpu_offload": True})[0]
     assert plain["kind"] == "none" and nvme["kind"] == "nvme"
+    assert plain["getters"] == (None, None, False)  # DeepSpeed's getters answer what the config turned on
+    assert nvme["getters"][0]["device"] == "nvme" and nvme["getters"][1]["device"] == "cpu" and nvme["getters"][2]
     for a, b in zip(nvme["losses"], plain["losses"]):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)

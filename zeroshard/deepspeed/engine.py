@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpointing import RNGState
+from zeroshard.deepspeed.config import map_offload
 from zeroshard.deepspeed.surface import DEEPSPEED_ENGINE_NAMES, refusal
 from zeroshard.errors import CheckpointError, EngineUsageError
 
@@ -30,7 +31,7 @@ from zeroshard.errors import CheckpointError, EngineUsageError
 _DISABLED = ("wall_clock_breakdown", "flops_profiler_enabled", "autotuning_enabled", "memory_breakdown",
              "curriculum_learning_enabled", "data_efficiency_enabled", "data_sampling_enabled",
              "random_ltd_enabled", "is_sanity_checks_enabled", "torch_autocast_enabled", "fp16_auto_cast",
-             "is_deepcompile_enabled", "is_deepcompile_active", "zero_offload_param", "zero_nvme_offload_optimizer",
+             "is_deepcompile_enabled", "is_deepcompile_active", "zero_nvme_offload_optimizer",
              "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
              "zero_legacy_stage1", "zero_elastic_checkpoint", "use_node_local_storage",
              "checkpoint_writer_enabled", "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients",
@@ -284,7 +285,12 @@ class DeepSpeedEngine(nn.Module):
         return self.config.get("zero_optimization", {}) or {}
 
     def zero_offload_optimizer(self) -> dict | None:
-        return self._zero_config().get("offload_optimizer")
+        return map_offload(self._zero_config()).get("offload_optimizer")
+
+    def zero_offload_param(self) -> dict | None:
+        """The offload_param section as mapped (deprecated cpu_offload_param included); None when off."""
+        spec = map_offload(self._zero_config()).get("offload_param")
+        return spec if spec and spec.get("device", "none") != "none" else None
 
     def zero_cpu_offload(self) -> bool:
         return (self.zero_offload_optimizer() or {}).get("device") == "cpu"
