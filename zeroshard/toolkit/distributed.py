@@ -233,13 +233,9 @@ def _run_and_sync(job: Job, tasks: list[Task], workers: int) -> dict:
     finished = run_transfer(job, tasks, workers)
     touched = {f.temp_path for f in finished.values()} | {job.temp_paths[i] for t in tasks for i in t.outputs
                                                           if i in job.temp_paths}
-    for path in touched:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    commit(Location(job.target_url, job.storage_options), finished.values())  # whole files: under their names
+    target = Location(job.target_url, job.storage_options)  # every temp file is in the stage
+    target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
+    commit(target, finished.values())  # whole files: under their names
     return finished
 
 
