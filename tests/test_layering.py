@@ -241,3 +241,32 @@ def test_storage_is_the_only_door_to_bytes(tmp_path):
     assert _door_offenders(tmp_path, "pkg") == {
         ("pkg/m.py", "from os.fsync"): 1, ("pkg/m.py", "import pkg.storage.location._protocols"): 1,
         ("pkg/m.py", "open()"): 1, ("pkg/m.py", "os.write"): 1, ("pkg/m.py", "os.pread"): 2}
+
+
+def _view_members() -> set[str]:
+    """The names the EngineView protocol declares (fields, properties, methods)."""
+    tree = ast.parse((ROOT / "zeroshard" / "engine" / "engine_view.py").read_text())
+    view = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineView")
+    return {n.target.id for n in view.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)} | {
+        n.name for n in view.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_engine_helpers_read_only_what_the_engine_view_declares():
+    """engine/memory.py and engine/state.py are handed the engine as an EngineView: every
+    attribute they read of it is declared there (public), none of the class's private state."""
+    members = _view_members()
+    assert {"shards", "optimizer", "shard_of", "param_refresh"} <= members
+    used = set()
+    for name in ("memory.py", "state.py"):
+        tree = ast.parse((ROOT / "zeroshard" / "engine" / name).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            viewed = {a.arg for a in fn.args.args
+                      if a.annotation is not None and "EngineView" in ast.unparse(a.annotation)}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in viewed:
+                    used.add((name, node.attr))
+    assert len(used) > 15  # the scan sees their reads
+    outside = sorted(f"{f}: engine.{a}" for f, a in used if a not in members)
+    assert not outside, "read of the engine beyond EngineView (declare it there, public): " + ", ".join(outside)
