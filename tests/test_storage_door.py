@@ -21,6 +21,8 @@ def test_temp_names_are_fresh_hidden_and_found_as_leftovers_of_a_live_writer(tmp
     loc.fsync([a])
     loc.remove(a)
     assert not find_leftovers(loc)
+    deeper = Location(tmp_path / "new" / "deeper")  # a folder not there yet is made on the way
+    assert deeper.create_exclusive(deeper.temp_name("x"), b"1", durable=False) and len(deeper.list()) == 1
 
 
 def test_read_whole_into_declines_what_it_cannot_read_exactly(tmp_path):

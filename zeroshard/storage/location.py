@@ -148,9 +148,12 @@ class Location:
         return posixpath.join(self.path, name) if name else self.path
 
     def temp_name(self, name: str) -> str:
-        """A fresh hidden name for staging `name` in this folder: TEMP_PREFIX, then the writer's
-        owner tag (so leftovers.py can tell a dead writer's leftover from a live one's), then a
-        random part. Every temp file and staging folder is named here, nowhere else."""
+        """A fresh hidden name for staging `name` in this folder."""
+        # [Note: temp names]
+        # Every temp file and staging folder is named here, nowhere else: TEMP_PREFIX (hidden,
+        # and what `clean` and the next writer look for), the writer's owner tag (host and pid:
+        # leftovers.py tells a dead writer's leftover from a live one's), a random part, and the
+        # final name last (so `clean` can say what it was for).
         return f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}"
 
     def child(self, name: str) -> "Location":
@@ -267,9 +270,13 @@ class Location:
                 except FileExistsError:
                     return False
                 return True
-            self.makedirs()
+            flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except FileNotFoundError:  # no folder yet: made only then (packed.py creates 1,000s)
+                    self.makedirs()
+                    fd = os.open(path, flags, 0o644)
             except FileExistsError:
                 return False
             try:

@@ -52,6 +52,7 @@ def owner_alive(tag: str) -> bool | None:
 
 
 def owner_of_temp(name: str, prefix: str) -> str:
-    """The owner tag inside `<prefix><owner>-<random>-<rest>` ('' for names without one)."""
+    """The owner tag inside `<prefix><owner>-<random>-<rest>` ('' for names without one).
+    See [Note: temp names] (location.py)."""
     tag = name[len(prefix):].split("-", 1)[0]
     return tag if "." in tag else ""
