@@ -21,8 +21,8 @@ from test_roundtrip import assert_same
 pytestmark = pytest.mark.s3
 
 
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # AWS_* point at moto (conftest's s3_endpoint)
+def torchrun(*args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(env or os.environ, OMP_NUM_THREADS="1")  # AWS_* point at moto (conftest's s3_endpoint)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                            f"--master-port={free_port()}", "-m", "zeroshard.toolkit", *args],
                           capture_output=True, text=True, timeout=240, env=env)
@@ -37,14 +37,16 @@ def weights(url: str) -> dict:
     return {k: v for k, v in read_checkpoint(url).items() if not k.startswith("rng/")}
 
 
-def test_reshard_local_to_s3_to_s3_to_local(tmp_path, s3_bucket, s3_client):
+def test_reshard_local_to_s3_to_s3_to_local(tmp_path, s3_bucket, s3_client, s3_endpoint):
     specs, data = training_state()
     write_checkpoint(str(tmp_path / "w4"), specs, data, 4)
     original = weights(str(tmp_path / "w4"))
-    for src, to, out in ((str(tmp_path / "w4"), "3", f"{s3_bucket}/w3"),  # local -> S3
-                         (f"{s3_bucket}/w3", "5", f"{s3_bucket}/w5"),     # S3 -> S3
-                         (f"{s3_bucket}/w5", "2", str(tmp_path / "w2"))):  # S3 -> local
-        result = torchrun("reshard", src, "--to", to, "-o", out)
+    # S3 -> S3 finds the endpoint in -S only, as on the CLI
+    no_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    for src, to, out, extra in ((str(tmp_path / "w4"), "3", f"{s3_bucket}/w3", ()),  # local -> S3
+                                (f"{s3_bucket}/w3", "5", f"{s3_bucket}/w5", ("-S", f"endpoint_url={s3_endpoint}")),
+                                (f"{s3_bucket}/w5", "2", str(tmp_path / "w2"), ())):  # S3 -> local
+        result = torchrun("reshard", src, "--to", to, "-o", out, *extra, env=no_endpoint if extra else None)
         assert result.returncode == 0, result.stderr[-3000:]
         assert verify(out).ok
         assert_same(original, weights(out))
