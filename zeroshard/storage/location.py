@@ -20,7 +20,6 @@ import mmap
 import os
 import posixpath
 import stat
-import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from zeroshard.errors import InvalidArgumentError, StorageError
@@ -154,7 +153,7 @@ class Location:
         # and what `clean` and the next writer look for), the writer's owner tag (host and pid:
         # leftovers.py tells a dead writer's leftover from a live one's), a random part, and the
         # final name last (so `clean` can say what it was for).
-        return f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}"
+        return f"{TEMP_PREFIX}{owner_tag()}-{os.urandom(4).hex()}-{name}"
 
     def child(self, name: str) -> "Location":
         loc = Location.__new__(Location)
