@@ -364,7 +364,7 @@ def test_deep_verify_checks_the_fragment_table_itself(tmp_path):
 
 KILLED_IN_PACKED_PATH = (
     "import os, signal, sys\n"
-    "import zeroshard.toolkit.packed as packed\n"
+    "import zeroshard.storage.location as packed  # packed.py reads through Location.read_whole_into\n"
     "real = packed.read_regular_file\n"
     "seen = []\n"
     "def dying(path, into):\n"

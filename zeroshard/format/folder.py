@@ -18,7 +18,7 @@ from zeroshard.format.manifest import (
     is_safe_file_name,
     parse_manifest,
 )
-from zeroshard.storage.location import TEMP_PREFIX, Location
+from zeroshard.storage.location import Location, is_temp_name
 
 
 def resolve_checkpoint(location: Location) -> Location:
@@ -129,7 +129,7 @@ def commit_checkpoint(location: Location, manifest: Manifest, previous_names: li
     location.write_bytes(MANIFEST_NAME, manifest.to_json())
     keep = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in previous_names:
-        if name not in keep and (is_rank_file_name(name) or name.startswith(TEMP_PREFIX)):
+        if name not in keep and (is_rank_file_name(name) or is_temp_name(name)):
             location.remove(name)
 
 

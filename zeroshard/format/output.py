@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import functools
 import os
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -29,8 +28,7 @@ from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.identity import check_output_apart
 from zeroshard.storage.leftovers import SWAP_MARKER, find_leftovers, remove_leftovers_of_others
-from zeroshard.storage.location import TEMP_PREFIX, Location
-from zeroshard.storage.owner import owner_tag
+from zeroshard.storage.location import Location, is_temp_name
 
 _open_outputs: contextvars.ContextVar[list["PreparedOutput"] | None] = contextvars.ContextVar("zeroshard_outputs",
                                                                                                 default=None)
@@ -111,11 +109,11 @@ def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location]
     claim = take_claim(target)
     try:
         remove_leftovers_of_others(target)
-        existing = [n for n in target.list() if not n.startswith(TEMP_PREFIX) and n != CLAIM_NAME]
+        existing = [n for n in target.list() if not is_temp_name(n) and n != CLAIM_NAME]
         if existing and not overwrite:
             raise OutputExistsError(target.url)
         staged = existing or stage_always or target.local
-        stage = target.child(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-stage") if staged else target
+        stage = target.child(target.temp_name("stage")) if staged else target
         stage.makedirs()
     except BaseException:
         claim.release()
@@ -133,7 +131,7 @@ def prepare_file_output(folder: Location, name: str, overwrite: bool, inputs: It
     files of dead writers of this very name (no claim here: a live writer's are left alone)."""
     check_output_apart(folder, list(inputs), name)
     refuse_file_in_the_way(folder)
-    if folder.local and os.path.isdir(os.path.join(folder.path, name)):
+    if folder.local and folder.isdir(name):
         raise ZeroshardError(f"{folder.url_of(name)}: exists and is a folder, not a file; pass another output path")
     for leftover in find_leftovers(folder, recursive=False):
         if leftover.kind == "temp file" and leftover.alive is False and leftover.url.endswith("-" + name):

@@ -82,7 +82,7 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
     for entry in entries:
         url = location.url + "/" + os.path.relpath(entry.path, location.path).replace(os.sep, "/")
         st = entry.stat(follow_symlinks=False)
-        if entry.name.startswith(TEMP_PREFIX):
+        if entry.name.startswith(TEMP_PREFIX):  # See [Note: temp names] (location.py)
             alive = owner_alive(owner_of_temp(entry.name, TEMP_PREFIX))
             if entry.is_dir(follow_symlinks=False):
                 size, newest = _tree_size_and_mtime(entry.path)

@@ -20,7 +20,6 @@ import mmap
 import os
 import posixpath
 import stat
-import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from zeroshard.errors import InvalidArgumentError, StorageError
@@ -34,6 +33,11 @@ if TYPE_CHECKING:  # remote-only machinery is imported where used: a local comma
     from zeroshard.storage.read_ahead import BlockReader
 
 TEMP_PREFIX = ".zeroshard-tmp-"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is a temp file or staging folder of a writer (Location.temp_name)."""
+    return name.startswith(TEMP_PREFIX)
 
 
 def _boto_errors() -> tuple[type[BaseException], ...]:
@@ -142,6 +146,15 @@ class Location:
     def full_path(self, name: str) -> str:
         return posixpath.join(self.path, name) if name else self.path
 
+    def temp_name(self, name: str) -> str:
+        """A fresh hidden name for staging `name` in this folder."""
+        # [Note: temp names]
+        # Every temp file and staging folder is named here, nowhere else: TEMP_PREFIX (hidden,
+        # and what `clean` and the next writer look for), the writer's owner tag (host and pid:
+        # leftovers.py tells a dead writer's leftover from a live one's), a random part, and the
+        # final name last (so `clean` can say what it was for).
+        return f"{TEMP_PREFIX}{owner_tag()}-{os.urandom(4).hex()}-{name}"
+
     def child(self, name: str) -> "Location":
         loc = Location.__new__(Location)
         loc.url, loc.storage_options, loc._fs, loc.local = self.url_of(name), self.storage_options, self._fs, self.local
@@ -195,6 +208,12 @@ class Location:
                     file.seek(start)
                 return file.read() if end is None else file.read(max(0, end - (start or 0)))
 
+    def read_whole_into(self, name: str, into: memoryview) -> bool:
+        """Fill `into` with all of local file `name` in one call, if it is a regular file of
+        exactly len(into) bytes; False otherwise (remote, a link, a FIFO, another size, any
+        OSError). For fast paths that fall back to a checked path which says what is wrong."""
+        return self.local and read_regular_file(self.full_path(name), into)
+
     def open_reader(self, name: str, follow_links: bool = False, size: int | None = None) -> "RangeReader":
         """Ranged reads of `name`. A symbolic link is refused unless follow_links: files of a
         checkpoint are its own, never a link to bytes elsewhere (full models from HF's cache,
@@ -238,9 +257,10 @@ class Location:
         with self.atomic_writer(name) as out:
             out.write(data)
 
-    def create_exclusive(self, name: str, data: bytes) -> bool:
+    def create_exclusive(self, name: str, data: bytes | memoryview, durable: bool = True) -> bool:
         """Create `name` holding `data` only if it does not exist; False if it does. Atomic:
-        O_CREAT|O_EXCL locally, a conditional PUT (If-None-Match: *) on S3."""
+        O_CREAT|O_EXCL locally, a conditional PUT (If-None-Match: *) on S3. durable=False skips
+        the fsyncs (for temp files synced later, together: see fsync)."""
         path = self.full_path(name)
         with storage_errors(self.url_of(name)):
             if not self.local:
@@ -249,17 +269,29 @@ class Location:
                 except FileExistsError:
                     return False
                 return True
-            self.makedirs()
+            flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except FileNotFoundError:  # no folder yet: made only then (packed.py creates 1,000s)
+                    self.makedirs()
+                    fd = os.open(path, flags, 0o644)
             except FileExistsError:
                 return False
             try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
+                view = memoryview(data).cast("B")
+                while view:  # a write may be partial
+                    view = view[os.write(fd, view):]
+                if durable:
+                    os.fsync(fd)
+            except BaseException:
                 os.close(fd)
-            _fsync_dir(self.path)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # never a half-written file under this name
+                raise
+            os.close(fd)
+            if durable:
+                _fsync_dir(self.path)
             return True
 
     def move_into(self, name: str, dest: "Location") -> None:
@@ -431,8 +463,7 @@ class AtomicWriter:
         with storage_errors(self.where):
             if loc.local:
                 loc.makedirs()
-                # the owner tag lets a later run tell a dead writer's leftover from a live one's
-                self._temp = loc.full_path(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{self._name}")
+                self._temp = loc.full_path(loc.temp_name(self._name))
                 self._file = open(self._temp, "wb", buffering=0)
                 return self
             from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3

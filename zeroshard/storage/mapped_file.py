@@ -20,11 +20,9 @@ import errno
 import mmap
 import os
 import threading
-import uuid
 
 from zeroshard.errors import InvalidArgumentError
-from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
-from zeroshard.storage.owner import owner_tag
+from zeroshard.storage.location import Location, storage_errors
 
 RELEASE_EVERY_BYTES = 64 * 1024 * 1024
 
@@ -57,7 +55,7 @@ class MappedOutput:
     def create(cls, location: Location, name: str, size: int) -> "MappedOutput":
         """A new temp file of `size` bytes, allocated on disk, beside `name` in `location`."""
         location.makedirs()
-        temp = location.full_path(f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}")  # leftovers: owner known
+        temp = location.full_path(location.temp_name(name))
         out = cls(location, name, temp, size)
         with storage_errors(out.where):
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)

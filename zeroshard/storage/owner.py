@@ -3,6 +3,7 @@ is still alive (knowable only on the same host), and which launched job it belon
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -15,7 +16,11 @@ _ANONYMOUS_RUN_IDS = {"", "none"}
 
 def host_id() -> str:
     """This host, as 8 hex digits of its node name (or of ZEROSHARD_HOST_ID, when set)."""
-    name = os.environ.get(HOST_ID_ENV) or os.uname().nodename  # the host name, as gethostname()
+    return _hashed(os.environ.get(HOST_ID_ENV) or os.uname().nodename)  # the host name, as gethostname()
+
+
+@functools.lru_cache(maxsize=8)
+def _hashed(name: str) -> str:  # cached: every temp name carries it (packed.py names 1,000s)
     return hashlib.sha1(name.encode()).hexdigest()[:8]
 
 
@@ -52,6 +57,7 @@ def owner_alive(tag: str) -> bool | None:
 
 
 def owner_of_temp(name: str, prefix: str) -> str:
-    """The owner tag inside `<prefix><owner>-<random>-<rest>` ('' for names without one)."""
+    """The owner tag inside `<prefix><owner>-<random>-<rest>` ('' for names without one).
+    See [Note: temp names] (location.py)."""
     tag = name[len(prefix):].split("-", 1)[0]
     return tag if "." in tag else ""

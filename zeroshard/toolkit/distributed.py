@@ -1,7 +1,7 @@
 """Reshard or consolidate with many processes on many machines, launched by torchrun.
 
     torchrun --nnodes 8 --nproc-per-node 16 -m zeroshard.toolkit reshard s3-or-shared/ckpt --to 2048 -o OUT
-    torchrun --nnodes 4 --nproc-per-node 8 -m zeroshard.toolkit consolidate CKPT OUT --max-shard-size 5GB
+    torchrun --nnodes 4 --nproc-per-node 8 -m zeroshard.toolkit consolidate CKPT s3://bucket/hf --max-shard-size 5GB
 
 No scheduler of our own: torchrun starts the processes and a gloo group (over TCP, no GPU)
 carries a few small messages. Every process reads the manifest; rank 0 prepares the output;
@@ -11,10 +11,13 @@ after every process reported success, so a failure anywhere commits nothing. Bef
 prepared, the processes agree that they were started alike: each sends its normalized arguments
 and the digest of the manifest it read, and if any differ all refuse, naming the difference
 (processes started with another --to or another checkpoint would otherwise commit a mix). Inputs and the
-output folder must be reachable by every process under the same path (a shared filesystem).
-One big consolidated file is shared by tensor ranges across processes, which needs a
-filesystem with coherent concurrent writes to one file (local, Lustre, GPFS): on NFS use
---max-shard-size so that each process writes whole files.
+output folder must be reachable by every process under the same path: a shared filesystem, or an
+object store (s3://; `-S key=value` passes storage options as the CLI's does). Into an object
+store each process streams whole files, a contiguous band of them (an object is written front to
+back by one writer); locally they fill memory-mapped files. One big local consolidated file is
+shared by tensor ranges across processes, which needs a filesystem with coherent concurrent
+writes to one file (local, Lustre, GPFS): on NFS use --max-shard-size so that each process
+writes whole files.
 """
 
 from __future__ import annotations
@@ -28,12 +31,20 @@ from typing import Any
 
 from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import FileEntry, RankFileResult, build_manifest, update_latest
+from zeroshard.format import (
+    CheckpointReader,
+    FileEntry,
+    RankFileResult,
+    build_manifest,
+    rank_contents,
+    update_latest,
+    write_rank_file,
+)
 from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.identity import identity
-from zeroshard.storage.location import Location
+from zeroshard.storage.location import Location, parse_storage_options
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.toolkit.plans import Finished, FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
@@ -54,8 +65,6 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
         as_root = source.url != given.url
         out_root = Location(out, storage_options)
         target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
-        if not target.local:
-            raise ZeroshardError(f"{target.url}: distributed reshard writes to a shared filesystem path")
         opened.update(given=given, source=source, manifest=manifest, as_root=as_root, out_root=out_root, target=target)
         return _arguments("reshard", given, source, manifest, digest, {
             "--to": world_size, "-o": _where(target), "--overwrite": overwrite, "-j": workers})
@@ -73,24 +82,34 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
         return prepared[0].stage.url, uuid.uuid4().hex
 
     stage_url, checkpoint_id = _on_rank0(prepare)
-    planner = RankFilePlans(specs, world_size, checkpoint_id)
-    job = Job(source.url, source.storage_options, manifest, stage_url, planner)
-    mine = split_tasks(planner, manifest.world_size, procs * max(workers, 1))[rank::procs]
+    stage = Location(stage_url, storage_options)
+    if stage.local:  # rank-major into memory-mapped files (transfer.py), whole files per task
+        planner = RankFilePlans(specs, world_size, checkpoint_id)
+        job = Job(source.url, source.storage_options, manifest, stage_url, planner)
+        mine = split_tasks(planner, manifest.world_size, procs * max(workers, 1))[rank::procs]
 
-    def finish(finished: list[dict]) -> None:
-        results = [RankFileResult(FileEntry(f.name, index, f.size, f.file_hash), f.fragment_hashes)
-                   for part in finished for index, f in part.items()]
+        def write() -> list[RankFileResult]:
+            return [RankFileResult(FileEntry(f.name, index, f.size, f.file_hash), f.fragment_hashes)
+                    for index, f in _run_and_sync(job, mine, workers).items()]
+    else:  # object store: each process streams whole rank files, a contiguous band of output ranks
+        band = _band(world_size, rank, procs)
+
+        def write() -> list[RankFileResult]:
+            return _stream_rank_files(source, manifest, stage, specs, world_size, checkpoint_id, band)
+
+    def finish(written: list[list[RankFileResult]]) -> None:
+        results = [result for part in written for result in part]
         extra = dict(manifest.extra, resharded_from={"world_size": manifest.world_size, "checkpoint_id": manifest.id})
         new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
                              dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
                              client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-        prepared[0].commit_checkpoint(new)  # every process synced its own files
+        prepared[0].commit_checkpoint(new)  # every process synced its own files (S3 objects are durable)
         if as_root:
             update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
 
     try:
-        finished = _agree(lambda: _run_and_sync(job, mine, workers))
-        _on_rank0(lambda: finish(finished))
+        written = _agree(write)
+        _on_rank0(lambda: finish(written))
     except BaseException:
         if prepared and not prepared[0].done:
             prepared[0].abandon()
@@ -118,8 +137,6 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         folder, names, shards, total, single_file = single.plan(
             source, manifest, out, dtype=dtype, max_shard_size=max_shard_size, include=include, exclude=exclude,
             strip_prefix=strip_prefix)
-        if not folder.local:
-            raise ZeroshardError(f"{folder.url}: distributed consolidate writes to a shared filesystem path")
         config_bytes = single.model_config(manifest, config, single_file, out)
         opened.update(source=source, manifest=manifest, plan=(folder, names, shards, total, single_file),
                       config=config_bytes)
@@ -142,6 +159,8 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         prepared.append(single.prepare(folder, names, single_file, overwrite,
                                        [Location(ckpt, storage_options), source]))
         stage = prepared[0].stage if prepared[0] else folder
+        if not stage.local:
+            return stage.url, {}  # object store: no shared file to fill; each process streams whole files
         outputs = []
         try:
             for plan in plans:
@@ -155,19 +174,30 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         return stage.url, {i: o.temp_path for i, o in enumerate(outputs)}
 
     stage_url, temp_paths = _on_rank0(create)
-    job = Job(source.url, source.storage_options, manifest, stage_url, FixedPlans(plans), temp_paths)
-    tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size,
-                                                                            procs * max(workers, 1))]
+    stage = Location(stage_url, storage_options)
+    if stage.local:  # every output created by process 0; all fill them by tensor ranges (transfer.py)
+        job = Job(source.url, source.storage_options, manifest, stage_url, FixedPlans(plans), temp_paths)
+        tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size,
+                                                                                procs * max(workers, 1))]
+
+        def write() -> None:
+            _run_and_sync(job, tasks[rank::procs], workers)
+    else:  # object store: an object is written front to back by one writer, so files are dealt out whole
+        band = _band(len(names), rank, procs)
+
+        def write() -> None:
+            single._write_streaming(source, manifest, stage, [names[i] for i in band], [shards[i] for i in band],
+                                    lambda nbytes: None, 1)
 
     def finish() -> None:
-        stage = Location(stage_url, storage_options)
-        commit(stage, _finished_stubs(plans, temp_paths))
-        stage.fsync(names)
+        if stage.local:
+            commit(stage, _finished_stubs(plans, temp_paths))
+            stage.fsync(names)
         if prepared[0] is not None:
             single.finish_folder(prepared[0], names, shards, total, opened["config"])
 
     try:
-        _agree(lambda: _run_and_sync(job, tasks[rank::procs], workers))
+        _agree(write)
         _on_rank0(finish)
     except BaseException:
         if rank == 0:
@@ -223,9 +253,34 @@ def _same_everywhere(described: list[dict[str, str]]) -> None:
                              + "; ".join(problems[:3]) + more)
 
 
+def _band(count: int, rank: int, procs: int) -> range:
+    """Process `rank`'s share of `count` outputs: a contiguous band (neighbouring outputs read
+    neighbouring inputs), the bands as equal as they can be."""
+    return range(count * rank // procs, count * (rank + 1) // procs)
+
+
+def _stream_rank_files(source: Location, manifest: Manifest, stage: Location, specs: list, world_size: int,
+                       checkpoint_id: str, ranks: range) -> list[RankFileResult]:
+    """Rank files `ranks` written front to back into an object store, their reads planned up front
+    (CheckpointReader.iter_planned) so that many GETs are in flight, as reshard's streaming path."""
+    contents = {r: rank_contents(specs, world_size, r) for r in ranks}
+    with CheckpointReader(source, manifest) as reader:
+        chunks = reader.iter_planned(item for r in ranks for item in contents[r])
+
+        def fill(spec: Any, start: int, end: int, write: Any) -> None:
+            remaining = (end - start) * spec.itemsize
+            while remaining:  # requests come in the order fill is called: the next chunks are ours
+                chunk = next(chunks)
+                write(chunk)
+                remaining -= len(chunk)
+
+        return [write_rank_file(stage, checkpoint_id, r, world_size, contents[r], fill, durable=False,
+                                write_behind=True) for r in ranks]
+
+
 def _finished_stubs(plans: list, temp_paths: dict[int, str]) -> list:
 
-    return [Finished(plan.name, temp_paths[i], plan.size) for i, plan in enumerate(plans)]
+    return [Finished(plan.name, temp_paths[i], plan.size) for i, plan in enumerate(plans) if i in temp_paths]
 
 
 def _run_and_sync(job: Job, tasks: list[Task], workers: int) -> dict:
@@ -233,13 +288,9 @@ def _run_and_sync(job: Job, tasks: list[Task], workers: int) -> dict:
     finished = run_transfer(job, tasks, workers)
     touched = {f.temp_path for f in finished.values()} | {job.temp_paths[i] for t in tasks for i in t.outputs
                                                           if i in job.temp_paths}
-    for path in touched:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    commit(Location(job.target_url, job.storage_options), finished.values())  # whole files: under their names
+    target = Location(job.target_url, job.storage_options)  # every temp file is in the stage
+    target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
+    commit(target, finished.values())  # whole files: under their names
     return finished
 
 
@@ -287,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     for each in (p, c):
         each.add_argument("--overwrite", action="store_true")
         each.add_argument("-j", "--workers", type=int, default=1, help="processes per torchrun process")
+        each.add_argument("-S", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                          help="fsspec storage option for s3:// and other remote paths (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ZeroshardError as exc:
+        print(f"zeroshard: error: {exc}", file=sys.stderr)
+        return 1
 
     import datetime
 
@@ -297,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "reshard":
             url = reshard_distributed(args.ckpt, args.world_size, args.out, overwrite=args.overwrite,
-                                      workers=args.workers)
+                                      storage_options=options, workers=args.workers)
             done = f"wrote {url}: {args.world_size} ranks"
         else:
             files = consolidate_distributed(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                                            overwrite=args.overwrite, workers=args.workers, include=args.include,
+                                            overwrite=args.overwrite, storage_options=options,
+                                            workers=args.workers, include=args.include,
                                             exclude=args.exclude, strip_prefix=args.strip_prefix, config=args.config)
             done = f"wrote {len(files)} file(s) under {args.out}"
         if dist.get_rank() == 0:

@@ -31,8 +31,7 @@ def _pickle_hint(where: str) -> str | None:
     path = local_path(where)
     if path is None or not os.path.isfile(path):
         return None
-    with open(path, "rb") as f:
-        head = f.read(4)
+    head = Location(path).read_bytes("", 0, 4)
     if head[:2] == b"PK" or head[:1] == b"\x80" or where.endswith(PICKLE_SUFFIXES):
         return ("this is a pickle (torch.save) file, which zeroshard never reads; convert it to safetensors first, "
                 "e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors') or "

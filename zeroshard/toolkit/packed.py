@@ -24,19 +24,16 @@ which one.
 from __future__ import annotations
 
 import contextlib
-import os
-import uuid
 from typing import Callable
 
 import numpy as np
 import xxhash
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
-from zeroshard.storage.location import TEMP_PREFIX, Location, read_regular_file, storage_errors
-from zeroshard.storage.owner import owner_tag
+from zeroshard.storage.location import Location
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
 PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
@@ -174,7 +171,7 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
     data_at = np.empty(len(files), dtype=np.int64)  # where each input's data section starts in in_buf
     for i, (q, file, base) in enumerate(zip(needed.tolist(), files, in_base.tolist())):
         data = in_view[base:base + file.size]
-        if not read_regular_file(source.full_path(file.name), data):
+        if not source.read_whole_into(file.name, data):
             raise _Fallback
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
             _explain_mismatch(source, manifest, q)
@@ -214,7 +211,6 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
     splits = np.searchsorted(pos, np.arange(len(ranks) + 1))
     target = Location(job.target_url, job.storage_options)
     target.makedirs()
-    prefix = f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-"  # leftovers: owner known
     finished: dict[int, Finished] = {}
     try:
         for k, r in enumerate(ranks):
@@ -223,32 +219,19 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
             out_buf[table:table + 8 * (splits[k + 1] - splits[k])] = hashes[splits[k]:splits[k + 1]].tobytes()
             data = view[b:b + sizes[k]]
             name = rank_file_name(r, planner.world_size)
-            path = target.full_path(prefix + name)
-            with storage_errors(target.url_of(name)):
-                _write_new(path, data)
+            temp = target.temp_name(name)  # one write to a new file; synced later, with the others
+            if not target.create_exclusive(temp, data, durable=False):
+                raise StorageError(target.url_of(temp), "exists already")  # a fresh random name: never expected
             # fragment hashes are in the file's table; nothing downstream needs them again here
-            finished[r] = Finished(name, path, sizes[k], xxhash.xxh3_64_hexdigest(data))
+            finished[r] = Finished(name, target.full_path(temp), sizes[k], xxhash.xxh3_64_hexdigest(data))
     except BaseException:
         for done in finished.values():
-            with contextlib.suppress(OSError):
-                os.unlink(done.temp_path)
+            with contextlib.suppress(StorageError):
+                target.remove(done.temp_path.rsplit("/", 1)[-1])
         raise
     if progress is not None:
         progress(sum(f.size for f in files))
     return finished
-
-
-def _write_new(path: str, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        while len(data):
-            data = data[os.write(fd, data):]
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    os.close(fd)
 
 
 def _explain_mismatch(source: Location, manifest: Manifest, rank: int) -> None:

@@ -37,7 +37,7 @@ from zeroshard.format.manifest import (
 from zeroshard.format.reader import chunk_bytes_for, read_hash_table, read_rank_header
 from zeroshard.format.signature import MAX_SIGNATURE_BYTES, SIGNATURE_NAME, check_signature
 from zeroshard.storage.hashing import SegmentHasher, hash_bytes, xxh3_int
-from zeroshard.storage.location import Location, read_regular_file
+from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import Header
 from zeroshard.toolkit.progress import byte_bar
 
@@ -146,7 +146,7 @@ def check_files(url: str, storage_options: dict, manifest: Manifest, files: list
             if layouts is not None and file.size <= SMALL_FILE_BYTES:
                 if len(buffer) < file.size:
                     buffer = bytearray(max(file.size, 2 * len(buffer)))
-                fast = _check_small_file(location.full_path(file.name), file, manifest, layouts, buffer, deep, sha256)
+                fast = _check_small_file(location, file, manifest, layouts, buffer, deep, sha256)
             if fast is not None:  # everything holds
                 found, digest = [], fast
                 if progress is not None:
@@ -173,14 +173,14 @@ def _signed_digests(location: Location, key: bytes, manifest_bytes: bytes) -> di
     return check_signature(key, raw, manifest_bytes, where)
 
 
-def _check_small_file(path: str, file: FileEntry, manifest: Manifest, layouts: RankLayouts, buffer: bytearray,
+def _check_small_file(location: Location, file: FileEntry, manifest: Manifest, layouts: RankLayouts, buffer: bytearray,
                       deep: bool, sha256: bool) -> str | None:
     """A small local file read whole in one call and checked with one comparison (header) and
     one hash (every byte). Returns its SHA-256 ('' unless asked) when everything holds, None
     when anything does not or cannot be checked this way (a link, another size, a header
     composed otherwise, a hash mismatch): _check_file then checks it again and says what."""
     view = memoryview(buffer)[:file.size]
-    if not read_regular_file(path, view):
+    if not location.read_whole_into(file.name, view):
         return None
     header = layouts.header(file.rank)
     # tobytes() first: a memoryview compares with bytes element by element, bytes by memcmp
