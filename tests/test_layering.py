@@ -187,7 +187,9 @@ DOOR_ALLOWED = {
     # not checkpoint data: small files the user names, read once
     ("zeroshard/cli.py", "open()"): "/proc/<ppid>/cmdline, to tell how the CLI was launched",
     ("zeroshard/deepspeed/config.py", "open()"): "the user's DeepSpeed JSON config",
-    ("zeroshard/engine/config.py", "open()"): "engine: the user's JSON config (the engine has no other file needs)",
+    ("zeroshard/engine/config.py", "open()"): "engine: the user's JSON config",
+    # not checkpoint data: the engine's NVMe parameter tier, a scratch file with O_DIRECT (no store has it)
+    ("zeroshard/engine/param_offload.py", "os.open"): "engine: offload_param nvme scratch file (O_DIRECT)",
     ("zeroshard/format/signature.py", "open()"): "the user's signing key file",
     ("zeroshard/toolkit/consolidate.py", "open()"): "the user's --config JSON file",
     # DeepSpeed's own folder layout, read by the compatibility engine
