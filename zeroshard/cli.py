@@ -220,14 +220,14 @@ def _process_group() -> Iterator[int]:
 def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
     """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
     from zeroshard.format import open_checkpoint
-    from zeroshard.partition import chunk_size
+    from zeroshard.partition import owning_ranks
 
     try:
         _, manifest = open_checkpoint(ckpt, storage_options)
     except ZeroshardError:
         return None  # the command itself reports why
     sizes = [t.numel for t in manifest.tensors.values() if t.layout == "flat" and t.numel]
-    used = max((-(-n // chunk_size(n, world_size)) for n in sizes), default=world_size)
+    used = max((owning_ranks(n, world_size)[1] for n in sizes), default=world_size)
     return world_size - used, max(sizes, default=0)
 
 

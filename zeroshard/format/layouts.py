@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zeroshard.format.manifest import FORMAT_NAME, HASH_TABLE_NAME, TensorEntry, rank_contents
+from zeroshard.partition import owning_ranks
 from zeroshard.storage.safetensors_header import Header, HeaderEntry, build_header_bytes
 
 _PREFIX = b'{"__metadata__":'
@@ -72,9 +73,7 @@ class RankLayouts:
         for t in self.tensors[:base]:
             n = t.numel
             if t.layout == "flat":
-                if n:
-                    c = -(-n // world_size)
-                    breaks.update((n // c, -(-n // c)))
+                breaks.update(owning_ranks(n, world_size))
             elif n:
                 holder = t.owner if t.layout == "local" else 0
                 breaks.update((holder, holder + 1))

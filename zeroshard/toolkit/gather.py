@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from zeroshard.errors import CheckpointError
+from zeroshard.partition_arrays import holders
 from zeroshard.storage.hashing import hash_bytes
 
 if TYPE_CHECKING:
@@ -54,15 +55,8 @@ def plan_flat(world: int, tensors: list[tuple[int, str, int, int, int, int, int]
     columns = np.array([(o, names.setdefault(n, len(names)), s, e, b, numel, size)
                         for o, n, s, e, b, numel, size in tensors if e > s], dtype=np.int64).reshape(-1, 7)
     out, tid, start, end, begin, numel, size = columns.T
-    chunk = -(-numel // world)
-    first = start // np.maximum(chunk, 1)
-    count = (end - 1) // np.maximum(chunk, 1) - first + 1
-    which = np.repeat(np.arange(len(columns)), count)
-    rank = first[which] + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-    frag_start = rank * chunk[which]
-    frag_end = np.minimum(frag_start + chunk[which], numel[which])
-    lo = np.maximum(start[which], frag_start)
-    hi = np.minimum(end[which], frag_end)
+    found = holders(numel, world, start, end)
+    which, rank, frag_start, lo, hi = found.row, found.rank, found.rank_start, found.lo, found.hi
     order = np.lexsort((tid[which], rank))
     pick = which[order]
     return FlatPieces(list(names), rank[order], tid[pick], (lo - frag_start)[order], out[pick],

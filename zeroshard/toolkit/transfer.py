@@ -162,24 +162,6 @@ def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
             if vectorize and source.layout == "flat" and dtype == source.dtype:
                 flat.append((index, name, start, end, begin, source.numel, out_size))
                 continue
-            if source.layout == "flat":  # zeroshard.partition.holders, inlined: the hot loop of a big reshard
-                numel = source.numel
-                chunk = -(-numel // world)
-                rank = start // chunk if end > start else world
-                frag_start = rank * chunk
-                while frag_start < end:
-                    frag_end = frag_start + chunk if frag_start + chunk < numel else numel
-                    lo = start if start > frag_start else frag_start
-                    hi = end if end < frag_end else frag_end
-                    by_tensor = needed.setdefault(rank, {})
-                    piece = (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype)
-                    if name in by_tensor:
-                        by_tensor[name].append(piece)
-                    else:
-                        by_tensor[name] = [piece]
-                    rank += 1
-                    frag_start = frag_end
-                continue
             for rank, frag_start, frag_end in fragments_of(source, world, start, end):
                 lo, hi = max(start, frag_start), min(end, frag_end)
                 needed.setdefault(rank, {}).setdefault(name, []).append(
