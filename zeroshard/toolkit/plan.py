@@ -1,0 +1,289 @@
+"""What a copy reads and writes, as arrays of pieces: the planner of reshard and consolidate.
+
+A Plan says, for every piece, which input file and byte offset it is read from, which output
+file and byte offset it goes to, how many bytes are read and which dtype cast (if any) applies.
+It is computed from the manifest alone (pure: no I/O), with the partition rule over all tensors
+at once (zeroshard.partition_arrays). Input offsets assume the headers a zeroshard writer puts
+in rank files (zeroshard.format.layouts); executors check them against the headers they read
+(`input_fragment` says where each piece's fragment was planned to start, so they can rebase).
+
+Outputs are rank files at a world size (reshard) or whole-tensor files (consolidate: one
+`.safetensors` file or HF's shards), chosen with include/exclude globs and a dtype cast.
+`describe()` prints a plan (`--dry-run`), `split(k)` cuts it by output for k workers or ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from zeroshard.bucketing import greedy_groups
+from zeroshard.errors import InvalidArgumentError, ZeroshardError
+from zeroshard.format.layouts import RankLayouts, layouts_of
+from zeroshard.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
+from zeroshard.partition_arrays import holders, shard_ranges
+from zeroshard.storage.safetensors_header import DTYPE_SIZES
+from zeroshard.toolkit.load import select, strip
+from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, plan_output
+
+CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+COLUMNS = ("input", "input_offset", "output", "output_offset", "nbytes", "cast", "tensor", "input_fragment")
+
+
+@dataclass
+class Plan:
+    """Pieces as parallel int64 arrays (COLUMNS), ordered by output then output offset.
+
+    `tensor` indexes `tensor_names` (the input's tensors), `cast` indexes `casts` (0: none), and
+    `input_fragment` is the planned offset of the input fragment a piece is read from."""
+
+    input_names: list[str]
+    input_sizes: list[int]
+    outputs: FixedPlans | RankFilePlans  # each output file's name, header and tensors (plans.py)
+    output_sizes: list[int]
+    tensor_names: list[str]
+    casts: list[tuple[str, str] | None]
+    columns: dict[str, np.ndarray] = field(repr=False)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        columns = self.__dict__.get("columns", {})
+        if name in columns:
+            return columns[name]
+        raise AttributeError(name)
+
+    def __len__(self) -> int:
+        return len(self.columns["nbytes"])
+
+    @property
+    def written(self) -> np.ndarray:
+        """Bytes each piece writes (a cast changes the element size)."""
+        ratio = np.array([1.0] + [DTYPE_SIZES[c[1]] / DTYPE_SIZES[c[0]] for c in self.casts[1:]])
+        return (self.nbytes * ratio[self.cast]).astype(np.int64)
+
+    def take(self, mask: np.ndarray) -> Plan:
+        """The pieces `mask` (booleans or indices) selects, everything else shared."""
+        return replace(self, columns={k: v[mask] for k, v in self.columns.items()})
+
+    def split(self, parts: int) -> list[Plan]:
+        """At most `parts` plans of consecutive whole outputs, about equal in bytes written."""
+        if parts < 1:
+            raise InvalidArgumentError(f"a plan splits into at least 1 part, got {parts}")
+        per_output = np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes))
+        ends = np.cumsum(per_output)
+        goals = ends[-1] * np.arange(1, parts) / parts if len(ends) else []
+        cuts = np.unique(np.r_[0, np.searchsorted(ends, goals, side="right"), len(self.output_sizes)])
+        bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
+        return [self.take(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+    def outputs_used(self) -> list[int]:
+        return np.unique(self.output).tolist()
+
+    def describe(self, limit: int = 10) -> str:
+        """What would be read and written, for people (`--dry-run`)."""
+        read, written, used = int(self.nbytes.sum()), int(self.written.sum()), np.unique(self.input)
+        outputs = self.outputs_used() if len(self) else []
+        casts = ", ".join(f"{a} -> {b}" for a, b in self.casts[1:]) or "none"
+        lines = [f"read {read:,} bytes from {len(used)} of {len(self.input_names)} input files",
+                 f"write {sum(self.output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
+                 f"into {len(outputs)} files, in {len(self):,} pieces; casts: {casts}"]
+        by_output = np.bincount(self.output, minlength=len(self.output_sizes))
+        inputs = np.bincount(self.output, weights=np.r_[True, np.diff(self.input) != 0] if len(self) else None,
+                             minlength=len(self.output_sizes))
+        shown = outputs if len(outputs) <= limit else outputs[:limit // 2] + outputs[-(limit // 2):]
+        for i in shown:
+            if len(outputs) > limit and i == outputs[-(limit // 2)]:
+                lines.append(f"  ... {len(outputs) - 2 * (limit // 2)} more files")
+            lines.append(f"  {self.outputs.plan(i).name}: {self.output_sizes[i]:,} bytes, "
+                         f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input runs")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str  # name in the output (an alias of a tied weight is written as its own copy)
+    source: TensorEntry
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel * DTYPE_SIZES[self.dtype]
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, '1000' -> 1000 (HF's convention: GB is 1e9)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ZeroshardError(f"cannot read size {text!r}: use e.g. 5GB, 500MB, 2GiB or a byte count")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    base = 1024 if "I" in unit else 1000
+    return int(number * base**power)
+
+
+def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[OutputTensor]]:
+    """HF's greedy split: fill a file until the next tensor would overflow it; a tensor larger
+    than the limit gets a file of its own (zeroshard.bucketing, as the engine's buckets)."""
+    return greedy_groups(tensors, lambda t: t.nbytes, max_bytes) or [[]]
+
+
+def model_tensors(url: str, manifest: Manifest, dtype: str | None, include: list[str] | None = None,
+                  exclude: list[str] | None = None, strip_prefix: list[str] | None = None) -> list[OutputTensor]:
+    """The weights consolidate writes: params and buffers (and aliases of tied weights), cast
+    to `dtype` when floating, chosen by include/exclude and renamed by strip_prefix."""
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ZeroshardError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
+    cast = CAST_DTYPES.get(dtype) if dtype else None
+    model_entries = [t for t in manifest.tensors.values() if t.role in ("param", "buffer")]
+    if not model_entries:
+        raise ZeroshardError(f"{url}: the checkpoint holds no model weights")
+    tensors = [OutputTensor(e.name, e, cast if cast and e.dtype in _FLOAT_DTYPES else e.dtype) for e in model_entries]
+    for alias, target in manifest.aliases.items():
+        base = next((t for t in tensors if t.name == target), None)
+        if base is not None:
+            tensors.append(OutputTensor(alias, base.source, base.dtype))
+    return choose(url, tensors, include, exclude, strip_prefix)
+
+
+def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exclude: list[str] | None,
+           strip_prefix: list[str] | None) -> list[OutputTensor]:
+    """The tensors `include`/`exclude` select (load_state_dict's rules), renamed by `strip_prefix`.
+    A glob matching no tensor is an error (a typo would otherwise silently change the output)."""
+    names = [t.name for t in tensors]
+    for flag, globs in (("--include", include), ("--exclude", exclude)):
+        for glob in globs or ():
+            if not select(names, glob):
+                raise ZeroshardError(f"{url}: {flag} {glob!r} matches no tensor (`zeroshard inspect --tensors` "
+                                     f"lists the {len(names)} names)")
+    chosen = set(select(names, include or None, exclude))
+    if not chosen:
+        raise ZeroshardError(f"{url}: --include/--exclude leave no tensor to write")
+    prefixes = list(strip_prefix or [])
+    out: list[OutputTensor] = []
+    seen: dict[str, str] = {}
+    for t in tensors:
+        if t.name not in chosen:
+            continue
+        new = strip(t.name, prefixes)
+        if not new:
+            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {t.name!r} with an empty name")
+        if new in seen:
+            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {t.name!r} both {new!r}")
+        seen[new] = t.name
+        out.append(OutputTensor(new, t.source, t.dtype))
+    return out
+
+
+def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
+    """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
+    plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
+                         {"format": "pt"}, hash_table=False) for name, shard in zip(names, shards)]
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    casts: list[tuple[str, str] | None] = [None]
+    rows = []
+    for i, p in enumerate(plans):
+        for t in p.tensors:
+            cast = (t.source.dtype, t.dtype) if t.source.dtype != t.dtype else None
+            if cast not in casts:
+                casts.append(cast)
+            rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
+    columns = np.array(rows, dtype=np.int64).reshape(-1, 6).T
+    return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts, *columns)
+
+
+def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
+    """`tensors` of `manifest` as the rank files of a checkpoint at `world_size` (reshard)."""
+    outputs = RankFilePlans(list(tensors), world_size, checkpoint_id)
+    layouts = RankLayouts(outputs.tensors, world_size, checkpoint_id, FORMAT_VERSION, True)
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    to_input = np.array([index[t.name] for t in layouts.tensors], dtype=np.int64)
+    numel = np.array([t.numel for t in layouts.tensors], dtype=np.int64)
+    flat = np.array([t.layout == "flat" for t in layouts.tensors], dtype=bool)
+    parts, sizes, rank = [], [], 0
+    while rank < world_size:  # consecutive ranks sharing one layout, at once
+        layout = layouts.rank_layout(rank)
+        end = layout.end if layout is layouts.run_of(rank) else rank + 1
+        ranks = np.arange(rank, end, dtype=np.int64)
+        data_at = np.array([len(layouts.header(r)) for r in range(rank, end)], dtype=np.int64)
+        sizes.extend((data_at + layout.data_bytes).tolist())
+        tid, begin = np.asarray(layout.tensors, dtype=np.int64), np.asarray(layout.begin, dtype=np.int64)
+        out, t = np.repeat(ranks, len(tid)), np.tile(tid, len(ranks))
+        starts = np.where(flat[t], shard_ranges(numel[t], world_size, out)[0], 0)
+        ends = starts + np.tile(np.asarray(layout.nbytes, dtype=np.int64), len(ranks)) // _itemsizes(layouts.tensors)[t]
+        parts.append((out, t, starts, ends, np.repeat(data_at, len(tid)) + np.tile(begin, len(ranks))))
+        rank = end
+    out, t, starts, ends, begins = (np.concatenate(c) for c in zip(*parts)) if parts else [np.zeros(0, np.int64)] * 5
+    return _plan(manifest, outputs, sizes, [None], out, to_input[t], starts, ends, begins, np.zeros_like(out))
+
+
+def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None, include: list[str] | None = None,
+              exclude: list[str] | None = None, strip_prefix: list[str] | None = None,
+              max_shard_size: str | None = None, checkpoint_id: str = "0" * 32) -> Plan:
+    """The plan of a reshard (`output`: a world size; 'local' tensors kept only at the same one)
+    or of a consolidate (`output`: a file name ending .safetensors, or anything else: HF shards)."""
+    if isinstance(output, int):
+        keep = output == manifest.world_size
+        return plan_rank_files(manifest, [t for t in manifest.tensors.values() if keep or t.layout != "local"],
+                               output, checkpoint_id)
+    tensors = model_tensors(output, manifest, dtype, include, exclude, strip_prefix)
+    if output.endswith(".safetensors"):
+        return plan_files(manifest, [output.rsplit("/", 1)[-1]], [tensors])
+    shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    return plan_files(manifest, names, shards)
+
+
+def _itemsizes(tensors: Sequence[TensorEntry]) -> np.ndarray:
+    return np.array([t.itemsize for t in tensors], dtype=np.int64)
+
+
+def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[int],
+          casts: list[tuple[str, str] | None], out: np.ndarray, tid: np.ndarray, start: np.ndarray,
+          end: np.ndarray, begin: np.ndarray, cast: np.ndarray) -> Plan:
+    """Cut output tensors (rows: output, input tensor index, elements [start, end), output byte
+    offset, cast) at the input's rank boundaries: the pieces."""
+    tensors = list(manifest.tensors.values())
+    world = manifest.world_size
+    flat = np.array([t.layout == "flat" for t in tensors], dtype=bool)
+    holder = np.array([t.owner if t.layout == "local" else 0 for t in tensors], dtype=np.int64)
+    numel = np.array([t.numel for t in tensors], dtype=np.int64)
+    # flat tensors are cut at the input's rank boundaries; the others come whole from their
+    # holder (the rule at a world of one, shifted to the holder)
+    found = holders(numel[tid], np.where(flat[tid], world, 1), start, end)
+    row, t = found.row, tid[found.row]
+    rank = found.rank + np.where(flat[t], 0, holder[t])
+    fragment = _fragment_offsets(manifest, rank, t)
+    in_size = _itemsizes(tensors)[t]
+    out_size = np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast[row]]
+    out_size = np.where(cast[row] > 0, out_size, in_size)
+    return Plan([f.name for f in manifest.files], [f.size for f in manifest.files], outputs, sizes,
+                [t.name for t in tensors], casts,
+                {"input": rank, "input_offset": fragment + (found.lo - found.rank_start) * in_size,
+                 "output": out[row], "output_offset": begin[row] + (found.lo - start[row]) * out_size,
+                 "nbytes": (found.hi - found.lo) * in_size, "cast": cast[row], "tensor": t,
+                 "input_fragment": fragment})
+
+
+def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) -> np.ndarray:
+    """Where tensor[i]'s fragment starts in input file rank[i], as a zeroshard writer lays it out."""
+    layouts = layouts_of(manifest)
+    needed = np.unique(rank)
+    data_at = np.zeros(manifest.world_size, dtype=np.int64)
+    data_at[needed] = [len(layouts.header(q)) for q in needed.tolist()]
+    runs = np.searchsorted(np.asarray(layouts.starts, dtype=np.int64), needed, side="right") - 1
+    table = np.full((len(layouts.starts), len(layouts.tensors)), -1, dtype=np.int64)  # run, tensor -> begin
+    for r in np.unique(runs).tolist():
+        run = layouts.runs[r]
+        table[r, run.tensors] = run.begin
+    run_of = np.zeros(manifest.world_size, dtype=np.int64)
+    run_of[needed] = runs
+    begins = table[run_of[rank], tensor]
+    for i in np.flatnonzero(begins < 0).tolist():  # per-rank tensors: in their rank's own layout
+        layout = layouts.rank_layout(int(rank[i]))
+        begins[i] = layout.begin[layout.tensors.index(int(tensor[i]))]
+    return data_at[rank] + begins
