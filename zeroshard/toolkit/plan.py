@@ -22,6 +22,7 @@ import numpy as np
 
 from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import InvalidArgumentError, ZeroshardError
+from zeroshard.format.full_model import HF_SINGLE_NAME, split_file_url
 from zeroshard.format.layouts import RankLayouts, layouts_of
 from zeroshard.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from zeroshard.partition_arrays import holders, shard_ranges
@@ -48,16 +49,17 @@ class Plan:
     output_sizes: list[int]
     tensor_names: list[str]
     casts: list[tuple[str, str] | None]
-    columns: dict[str, np.ndarray] = field(repr=False)
-
-    def __getattr__(self, name: str) -> np.ndarray:
-        columns = self.__dict__.get("columns", {})
-        if name in columns:
-            return columns[name]
-        raise AttributeError(name)
+    input: np.ndarray = field(repr=False)
+    input_offset: np.ndarray = field(repr=False)
+    output: np.ndarray = field(repr=False)
+    output_offset: np.ndarray = field(repr=False)
+    nbytes: np.ndarray = field(repr=False)
+    cast: np.ndarray = field(repr=False)
+    tensor: np.ndarray = field(repr=False)
+    input_fragment: np.ndarray = field(repr=False)
 
     def __len__(self) -> int:
-        return len(self.columns["nbytes"])
+        return len(self.nbytes)
 
     @property
     def written(self) -> np.ndarray:
@@ -67,7 +69,7 @@ class Plan:
 
     def take(self, mask: np.ndarray) -> Plan:
         """The pieces `mask` (booleans or indices) selects, everything else shared."""
-        return replace(self, columns={k: v[mask] for k, v in self.columns.items()})
+        return replace(self, **{k: getattr(self, k)[mask] for k in COLUMNS})
 
     def split(self, parts: int) -> list[Plan]:
         """At most `parts` plans of consecutive whole outputs, about equal in bytes written."""
@@ -229,13 +231,24 @@ def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None
         keep = output == manifest.world_size
         return plan_rank_files(manifest, [t for t in manifest.tensors.values() if keep or t.layout != "local"],
                                output, checkpoint_id)
-    tensors = model_tensors(output, manifest, dtype, include, exclude, strip_prefix)
-    if output.endswith(".safetensors"):
-        return plan_files(manifest, [output.rsplit("/", 1)[-1]], [tensors])
-    shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
-    names = (["model.safetensors"] if len(shards) == 1
-             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names, shards, _ = output_files(output, model_tensors(output, manifest, dtype, include, exclude, strip_prefix),
+                                    max_shard_size)
     return plan_files(manifest, names, shards)
+
+
+def output_files(out: str, tensors: list[OutputTensor], max_shard_size: str | None,
+                 ) -> tuple[list[str], list[list[OutputTensor]], bool]:
+    """consolidate's files: (names, tensors per file, single file?): `out` ending .safetensors is
+    one file, anything else a folder of HF shards of at most `max_shard_size` (default 5GB)."""
+    single_file = out.rstrip("/").endswith(".safetensors")
+    if single_file and max_shard_size:
+        raise ZeroshardError(f"{out}: --max-shard-size writes HF's sharded layout into a folder; give a folder as OUT")
+    if single_file:
+        return [split_file_url(out)[1]], [tensors], True
+    shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
+    names = ([HF_SINGLE_NAME] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    return names, shards, False
 
 
 def _itemsizes(tensors: Sequence[TensorEntry]) -> np.ndarray:
@@ -262,11 +275,10 @@ def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[i
     out_size = np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast[row]]
     out_size = np.where(cast[row] > 0, out_size, in_size)
     return Plan([f.name for f in manifest.files], [f.size for f in manifest.files], outputs, sizes,
-                [t.name for t in tensors], casts,
-                {"input": rank, "input_offset": fragment + (found.lo - found.rank_start) * in_size,
-                 "output": out[row], "output_offset": begin[row] + (found.lo - start[row]) * out_size,
-                 "nbytes": (found.hi - found.lo) * in_size, "cast": cast[row], "tensor": t,
-                 "input_fragment": fragment})
+                [t.name for t in tensors], casts, input=rank,
+                input_offset=fragment + (found.lo - found.rank_start) * in_size, output=out[row],
+                output_offset=begin[row] + (found.lo - start[row]) * out_size, nbytes=(found.hi - found.lo) * in_size,
+                cast=cast[row], tensor=t, input_fragment=fragment)
 
 
 def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) -> np.ndarray:
