@@ -147,3 +147,37 @@ def test_plans_are_pure_split_and_describe(tmp_path):
     assert "rank-00000-of-00007.safetensors" in text
     with pytest.raises(ValueError):
         plan.split(0)
+
+
+def _tree(path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from zeroshard.cli import main
+
+    _, _ = random_checkpoint(random.Random(5), str(tmp_path / "ck"))
+    _, manifest = open_checkpoint(str(tmp_path / "ck"))
+    before = _tree(tmp_path)
+    runs = {"reshard": ["reshard", str(tmp_path / "ck"), "--to", "3", "--dry-run"],
+            "reshard-out": ["reshard", str(tmp_path / "ck"), str(tmp_path / "new"), "--to", "5", "--dry-run"],
+            "file": ["consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), "--dry-run",
+                     "--dtype", "bf16"],
+            "folder": ["consolidate", str(tmp_path / "ck"), str(tmp_path / "hf"), "--dry-run",
+                       "--max-shard-size", "64B"]}
+    for what, args in runs.items():
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, (what, result.output)
+        plan = (make_plan(manifest, int(args[args.index("--to") + 1])) if what.startswith("reshard")
+                else make_plan(manifest, args[2], dtype="bf16" if what == "file" else None,
+                               max_shard_size="64B" if what == "folder" else None))
+        assert "nothing written" in result.output
+        assert f"read {int(plan.nbytes.sum()):,} bytes from" in result.output
+        assert f"into {len(plan.outputs_used())} files" in result.output
+        assert _tree(tmp_path) == before, what  # no output, no claim, no stage, no temp file
+    result = CliRunner().invoke(main, ["consolidate", str(tmp_path / "ck"), str(tmp_path / "o"), "--dry-run",
+                                       "--include", "nothing*"])
+    assert result.exit_code != 0 and "matches no tensor" in result.output  # checked as a real run would
+    assert _tree(tmp_path) == before

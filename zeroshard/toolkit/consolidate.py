@@ -25,7 +25,7 @@ from zeroshard.format.output import PreparedOutput, output_transaction, prepare_
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
-from zeroshard.toolkit.plan import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
+from zeroshard.toolkit.plan import OutputTensor, model_tensors, output_files, parse_size, plan_files, plan_shards  # noqa: F401
 from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, cast_bytes, run_transfer
@@ -69,6 +69,17 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, m
     names, shards, single_file = output_files(out, tensors, max_shard_size)
     folder = Location(split_file_url(out)[0] if single_file else out, source.storage_options)
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
+
+
+def dry_run(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
+            storage_options: dict | None = None, include: list[str] | None = None, exclude: list[str] | None = None,
+            strip_prefix: list[str] | None = None) -> str:
+    """What `consolidate` would read and write, from the manifest alone: nothing is written."""
+    source, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
+    folder, names, shards, total, _ = plan(source, manifest, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
+                                           include=include, exclude=exclude, strip_prefix=strip_prefix)
+    return (f"dry run: {source.url} -> {folder.url}: {len(names)} file(s), {total:,} bytes of weights; nothing "
+            f"written\n" + plan_files(manifest, names, shards).describe())
 
 
 def model_config(manifest: Manifest, config: str | None, single_file: bool, out: str) -> bytes | None:

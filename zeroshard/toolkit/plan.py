@@ -94,14 +94,14 @@ class Plan:
                  f"write {sum(self.output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
                  f"into {len(outputs)} files, in {len(self):,} pieces; casts: {casts}"]
         by_output = np.bincount(self.output, minlength=len(self.output_sizes))
-        inputs = np.bincount(self.output, weights=np.r_[True, np.diff(self.input) != 0] if len(self) else None,
-                             minlength=len(self.output_sizes))
+        pairs = np.unique(self.output * len(self.input_names) + self.input)  # (output, input) pairs
+        inputs = np.bincount(pairs // max(len(self.input_names), 1), minlength=len(self.output_sizes))
         shown = outputs if len(outputs) <= limit else outputs[:limit // 2] + outputs[-(limit // 2):]
         for i in shown:
             if len(outputs) > limit and i == outputs[-(limit // 2)]:
                 lines.append(f"  ... {len(outputs) - 2 * (limit // 2)} more files")
             lines.append(f"  {self.outputs.plan(i).name}: {self.output_sizes[i]:,} bytes, "
-                         f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input runs")
+                         f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input files")
         return "\n".join(lines)
 
 

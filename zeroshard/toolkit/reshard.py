@@ -31,6 +31,7 @@ from zeroshard.format import (
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
+from zeroshard.toolkit.plan import make_plan
 from zeroshard.toolkit.plans import RankFilePlans, split_tasks
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
@@ -84,6 +85,17 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     if as_root:
         update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
     return ReshardResult(new, target, dropped)
+
+
+def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options: dict | None = None) -> str:
+    """What `reshard` would read and write, from the manifest alone: nothing is written."""
+    if world_size < 1:
+        raise ZeroshardError(f"--to must be at least 1, got {world_size}")
+    given = Location(os.fspath(ckpt), storage_options)
+    source, manifest = open_checkpoint(given)
+    out_url = out or default_output(given.url, world_size)
+    return (f"dry run: {source.url} ({manifest.world_size} ranks) -> {out_url} ({world_size} ranks); nothing written\n"
+            + make_plan(manifest, world_size).describe())
 
 
 def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
