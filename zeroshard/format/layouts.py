@@ -151,8 +151,9 @@ class RankLayouts:
         extras = self._extras.get(rank)
         if not extras:
             return run
-        if self._last is not None and self._last[0] == rank:
-            return self._last[1]
+        last = self._last  # read once: threads of one copy may share this object (layouts_of)
+        if last is not None and last[0] == rank:
+            return last[1]
         if run.body is None:
             layout = [(self.tensors[i].name, self.tensors[i].dtype, (n // self.tensors[i].itemsize,))
                       for i, n in zip(run.tensors, run.nbytes)]
@@ -223,7 +224,13 @@ def _metadata_json(metadata: dict[str, str]) -> bytes:
     return json.dumps(metadata, separators=(",", ":")).encode()
 
 
+_shared: list = [None, None]  # the last manifest given and its layouts
+
+
 def layouts_of(manifest) -> RankLayouts:
-    """The files of a parsed manifest, as they are on disk (1.0 files have no hash table)."""
-    return RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id, manifest.version,
-                       hash_table=manifest.legacy_hashes is None)
+    """The files of a parsed manifest, as they are on disk (1.0 files have no hash table). The
+    last manifest's are kept, so a copy's planner and its reader compose each run once."""
+    if _shared[0] is not manifest:
+        _shared[:] = [manifest, RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id,
+                                            manifest.version, hash_table=manifest.legacy_hashes is None)]
+    return _shared[1]

@@ -23,12 +23,12 @@ import numpy as np
 from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import InvalidArgumentError, ZeroshardError
 from zeroshard.format.full_model import HF_SINGLE_NAME, split_file_url
-from zeroshard.format.layouts import RankLayouts, layouts_of
-from zeroshard.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
-from zeroshard.partition_arrays import holders, shard_ranges
+from zeroshard.format.layouts import layouts_of
+from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.partition_arrays import holders
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.load import select, strip
-from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, plan_output
+from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, plan_output
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -184,42 +184,33 @@ def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequen
     """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False) for name, shard in zip(names, shards)]
+    return plan_outputs(manifest, FixedPlans(plans), dict(enumerate(plans)))
+
+
+def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans: dict[int, OutputPlan],
+                 chosen: dict[int, list[int]] | None = None) -> Plan:
+    """The pieces of output files already laid out (`plans`, by output index), or of their
+    `chosen` tensors only: what one task of an executor carries out."""
     index = {name: i for i, name in enumerate(manifest.tensors)}
     casts: list[tuple[str, str] | None] = [None]
     rows = []
-    for i, p in enumerate(plans):
-        for t in p.tensors:
+    for i, p in plans.items():
+        for j in range(len(p.tensors)) if chosen is None else chosen[i]:
+            t = p.tensors[j]
             cast = (t.source.dtype, t.dtype) if t.source.dtype != t.dtype else None
             if cast not in casts:
                 casts.append(cast)
             rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
-    columns = np.array(rows, dtype=np.int64).reshape(-1, 6).T
-    return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts, *columns)
+    sizes = [0] * outputs.count
+    for i, p in plans.items():
+        sizes[i] = p.size
+    return _plan(manifest, outputs, sizes, casts, *np.array(rows, dtype=np.int64).reshape(-1, 6).T)
 
 
 def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
     """`tensors` of `manifest` as the rank files of a checkpoint at `world_size` (reshard)."""
     outputs = RankFilePlans(list(tensors), world_size, checkpoint_id)
-    layouts = RankLayouts(outputs.tensors, world_size, checkpoint_id, FORMAT_VERSION, True)
-    index = {name: i for i, name in enumerate(manifest.tensors)}
-    to_input = np.array([index[t.name] for t in layouts.tensors], dtype=np.int64)
-    numel = np.array([t.numel for t in layouts.tensors], dtype=np.int64)
-    flat = np.array([t.layout == "flat" for t in layouts.tensors], dtype=bool)
-    parts, sizes, rank = [], [], 0
-    while rank < world_size:  # consecutive ranks sharing one layout, at once
-        layout = layouts.rank_layout(rank)
-        end = layout.end if layout is layouts.run_of(rank) else rank + 1
-        ranks = np.arange(rank, end, dtype=np.int64)
-        data_at = np.array([len(layouts.header(r)) for r in range(rank, end)], dtype=np.int64)
-        sizes.extend((data_at + layout.data_bytes).tolist())
-        tid, begin = np.asarray(layout.tensors, dtype=np.int64), np.asarray(layout.begin, dtype=np.int64)
-        out, t = np.repeat(ranks, len(tid)), np.tile(tid, len(ranks))
-        starts = np.where(flat[t], shard_ranges(numel[t], world_size, out)[0], 0)
-        ends = starts + np.tile(np.asarray(layout.nbytes, dtype=np.int64), len(ranks)) // _itemsizes(layouts.tensors)[t]
-        parts.append((out, t, starts, ends, np.repeat(data_at, len(tid)) + np.tile(begin, len(ranks))))
-        rank = end
-    out, t, starts, ends, begins = (np.concatenate(c) for c in zip(*parts)) if parts else [np.zeros(0, np.int64)] * 5
-    return _plan(manifest, outputs, sizes, [None], out, to_input[t], starts, ends, begins, np.zeros_like(out))
+    return plan_outputs(manifest, outputs, {rank: outputs.plan(rank) for rank in range(world_size)})
 
 
 def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None, include: list[str] | None = None,
@@ -251,10 +242,6 @@ def output_files(out: str, tensors: list[OutputTensor], max_shard_size: str | No
     return names, shards, False
 
 
-def _itemsizes(tensors: Sequence[TensorEntry]) -> np.ndarray:
-    return np.array([t.itemsize for t in tensors], dtype=np.int64)
-
-
 def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[int],
           casts: list[tuple[str, str] | None], out: np.ndarray, tid: np.ndarray, start: np.ndarray,
           end: np.ndarray, begin: np.ndarray, cast: np.ndarray) -> Plan:
@@ -271,7 +258,7 @@ def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[i
     row, t = found.row, tid[found.row]
     rank = found.rank + np.where(flat[t], 0, holder[t])
     fragment = _fragment_offsets(manifest, rank, t)
-    in_size = _itemsizes(tensors)[t]
+    in_size = np.array([e.itemsize for e in tensors], dtype=np.int64)[t]
     out_size = np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast[row]]
     out_size = np.where(cast[row] > 0, out_size, in_size)
     return Plan([f.name for f in manifest.files], [f.size for f in manifest.files], outputs, sizes,
@@ -283,7 +270,7 @@ def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[i
 
 def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) -> np.ndarray:
     """Where tensor[i]'s fragment starts in input file rank[i], as a zeroshard writer lays it out."""
-    layouts = layouts_of(manifest)
+    layouts = layouts_of(manifest)  # shared with the executor's reader
     needed = np.unique(rank)
     data_at = np.zeros(manifest.world_size, dtype=np.int64)
     data_at[needed] = [len(layouts.header(q)) for q in needed.tolist()]

@@ -22,14 +22,20 @@ import contextlib
 import os
 from typing import Callable, Iterable
 
+import numpy as np
+
 from zeroshard.errors import CheckpointError
-from zeroshard.format.reader import CheckpointReader, fragments_of
+from zeroshard.format.manifest import Manifest
+from zeroshard.format.reader import CheckpointReader
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
+from zeroshard.toolkit import gather
+from zeroshard.toolkit.gather import cast_bytes
 from zeroshard.toolkit.output_hashes import InOrderHashes
+from zeroshard.toolkit.plan import Plan, plan_outputs
 from zeroshard.toolkit.plans import Finished, Job, OutputPlan, RankFilePlans, Task
 from zeroshard.toolkit.workers import worker_pool
 
@@ -105,29 +111,21 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
         # hashes taken during the copy, for whole rank files (others: none needed, or not ours)
         taken = {i: InOrderHashes(plan.header, [(t.begin, t.begin + t.nbytes) for t in plan.tensors])
                  for i, plan in plans.items() if plan.hash_table and task.tensors is None}
-        # small local inputs: flat tensors copied as they are go through numpy (gather.py)
-        vectorize = source.local and max(f.size for f in job.manifest.files) <= WINDOW_BYTES
-        needed, flat = _pieces_by_input(job.manifest.world_size, plans, task, vectorize)
-        spans = {}
-        if flat:
-            from zeroshard.toolkit import gather
-
-            pieces = gather.plan_flat(job.manifest.world_size, flat)
-            spans = {rank: (first, end) for rank, first, end in pieces.ranks()}
-        # big (or remote) inputs are read side by side, up to MAX_OPEN_INPUTS at once
-        files = job.manifest.files
-        big = sorted(rank for rank in needed
-                     if (not source.local or files[rank].size > WINDOW_BYTES) and rank not in spans)
+        # the plan's pieces: from small local inputs, mapped whole, through numpy (gather.py);
+        # from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
+        plan = plan_outputs(job.manifest, job.planner, plans, task.tensors)
+        sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
+        mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
+        needed = _pieces_by_input(job.manifest, plan.take(~mapped))
+        pieces = _mapped_pieces(plan.take(mapped), job.manifest)
+        big = sorted(needed)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
             for at in range(0, len(big), MAX_OPEN_INPUTS):
                 group = {rank: needed.pop(rank) for rank in big[at:at + MAX_OPEN_INPUTS]}
                 _copy_side_by_side(reader, group, outputs, progress, taken)
                 reader.close()
-            for rank in sorted(set(needed) | set(spans)):  # small local inputs, one at a time
-                if rank in spans:
-                    gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
-                if rank in needed:
-                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress)
+            for rank, first, end in pieces.ranks():  # small local inputs, one at a time
+                gather.copy_from_input(reader, rank, pieces, first, end, outputs, progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
@@ -146,63 +144,26 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 Piece = tuple[int, int, int, int, str]
 
 
-def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
-                     vectorize: bool = False) -> tuple[dict[int, dict[str, list[Piece]]], list[tuple]]:
-    """Pieces by input rank and tensor; with `vectorize`, flat tensors copied without a cast are
-    returned instead as (output, name, start, end, begin, numel, itemsize) rows for gather.py."""
+def _pieces_by_input(manifest: Manifest, plan: Plan) -> dict[int, dict[str, list[Piece]]]:
+    """The plan's pieces by input rank and tensor, as the copy loops take them."""
     needed: dict[int, dict[str, list[Piece]]] = {}
-    flat: list[tuple] = []
-    for index in task.outputs:
-        tensors = plans[index].tensors
-        chosen = range(len(tensors)) if task.tensors is None else task.tensors[index]
-        for i in chosen:
-            _, source, start, end, dtype, _, begin = tensors[i]
-            name = source.name
-            out_size = DTYPE_SIZES[dtype]
-            if vectorize and source.layout == "flat" and dtype == source.dtype:
-                flat.append((index, name, start, end, begin, source.numel, out_size))
-                continue
-            for rank, frag_start, frag_end in fragments_of(source, world, start, end):
-                lo, hi = max(start, frag_start), min(end, frag_end)
-                needed.setdefault(rank, {}).setdefault(name, []).append(
-                    (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype))
-    return needed, flat
+    size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor]
+    dtypes = [t.dtype for t in manifest.tensors.values()]
+    columns = (plan.input, plan.tensor, (plan.input_offset - plan.input_fragment) // size, plan.output,
+               plan.output_offset, plan.nbytes // size, plan.cast)
+    for rank, tensor, src, index, dst, count, cast in zip(*(c.tolist() for c in columns)):
+        needed.setdefault(rank, {}).setdefault(plan.tensor_names[tensor], []).append(
+            (src, index, dst, count, plan.casts[cast][1] if cast else dtypes[tensor]))
+    return needed
 
 
-def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, list[Piece]],
-                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None) -> None:
-    """A small local input file (the many-ranks case), mapped whole and checked with one hash:
-    a memcpy per piece."""
-    opened = reader.open_file(rank)
-    entries = opened.header.entries
-    size = opened.header.file_size
-    whole = opened.reader.view(0, size)
-    if reader.verify_hashes:
-        from zeroshard.toolkit.gather import check_input
-
-        check_input(reader, rank, whole, list(fragments))
-    out_views = {index: out.view for index, out in outputs.items()}
-    written = dict.fromkeys(outputs, 0)
-    tensors = reader.manifest.tensors
-    for name, pieces in fragments.items():
-        _, _, begin, end = entries[name]
-        view = whole[begin:end]
-        tensor = tensors[name]
-        itemsize, dtype_in = tensor.itemsize, tensor.dtype
-        for src, index, dst, count, dtype in pieces:
-            if dtype == dtype_in:
-                out_views[index][dst:dst + count * itemsize] = view[src * itemsize:(src + count) * itemsize]
-                written[index] += count * itemsize
-            else:
-                data = cast_bytes(view[src * itemsize:(src + count) * itemsize], dtype_in, dtype)
-                out_views[index][dst:dst + len(data)] = data
-                written[index] += len(data)
-    del view, whole
-    for index, nbytes in written.items():
-        if nbytes:
-            outputs[index].wrote(nbytes)  # bounded residency of big outputs fed by many small inputs
-    if progress is not None:
-        progress(size)
+def _mapped_pieces(plan: Plan, manifest: Manifest) -> gather.FlatPieces:
+    """A plan's pieces sorted by input rank, then tensor."""
+    order = np.lexsort((plan.tensor, plan.input))
+    size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor[order]]
+    return gather.FlatPieces(plan.tensor_names, plan.input[order], plan.tensor[order],
+                             (plan.input_offset - plan.input_fragment)[order] // size, plan.output[order],
+                             plan.output_offset[order], plan.nbytes[order], size, plan.cast[order], plan.casts)
 
 
 def _copy_side_by_side(reader: CheckpointReader, inputs: dict[int, dict[str, list[Piece]]],
@@ -289,20 +250,6 @@ def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, piece
 
 def _mismatch(reader: CheckpointReader, rank: int, name: str) -> CheckpointError:
     return CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
-
-
-def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
-    """Elements of dtype `src` as dtype `dst` (torch is imported only here, when a cast is asked)."""
-    import warnings
-
-    import torch
-
-    from zeroshard.storage.safetensors_header import torch_dtype
-
-    with warnings.catch_warnings():  # a read-only view of the page cache: only read, never written
-        warnings.simplefilter("ignore", UserWarning)
-        values = torch.frombuffer(data, dtype=torch_dtype(src)).to(torch_dtype(dst))
-    return memoryview(values.view(torch.uint8).numpy())
 
 
 def _finish(plan: OutputPlan, out: MappedOutput, taken: InOrderHashes | None) -> Finished:
