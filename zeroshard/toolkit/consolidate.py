@@ -25,10 +25,10 @@ from zeroshard.format.output import PreparedOutput, output_transaction, prepare_
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
-from zeroshard.toolkit.plan import OutputTensor, model_tensors, output_files, parse_size, plan_files, plan_shards  # noqa: F401
 from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, cast_bytes, run_transfer
+from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
+from zeroshard.toolkit.transfer import Job, run_transfer
 from zeroshard.toolkit.workers import auto_workers
 
 CONFIG_NAME = "config.json"
@@ -75,6 +75,8 @@ def dry_run(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: st
             storage_options: dict | None = None, include: list[str] | None = None, exclude: list[str] | None = None,
             strip_prefix: list[str] | None = None) -> str:
     """What `consolidate` would read and write, from the manifest alone: nothing is written."""
+    from zeroshard.toolkit.plan import plan_files  # numpy: only when asked
+
     source, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
     folder, names, shards, total, _ = plan(source, manifest, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
                                            include=include, exclude=exclude, strip_prefix=strip_prefix)
@@ -177,7 +179,11 @@ def _write_streaming(source: Location, manifest: Manifest, folder: Location, nam
 
 
 def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
-    return chunk if src == dst else cast_bytes(chunk, src, dst)
+    if src == dst:
+        return chunk
+    from zeroshard.toolkit.gather import cast_bytes  # numpy and torch: only when a cast is asked
+
+    return cast_bytes(chunk, src, dst)
 
 
 def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int,

@@ -31,7 +31,6 @@ from zeroshard.format import (
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plan import make_plan
 from zeroshard.toolkit.plans import RankFilePlans, split_tasks
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
@@ -89,6 +88,8 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
 
 def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options: dict | None = None) -> str:
     """What `reshard` would read and write, from the manifest alone: nothing is written."""
+    from zeroshard.toolkit.plan import make_plan  # numpy: only when asked
+
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
     given = Location(os.fspath(ckpt), storage_options)

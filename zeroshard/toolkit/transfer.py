@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterable
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.manifest import Manifest
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput, move_into_place
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
-from zeroshard.toolkit import gather
-from zeroshard.toolkit.gather import cast_bytes
 from zeroshard.toolkit.output_hashes import InOrderHashes
-from zeroshard.toolkit.plan import Plan, plan_outputs
 from zeroshard.toolkit.plans import Finished, Job, OutputPlan, RankFilePlans, Task
 from zeroshard.toolkit.workers import worker_pool
+
+if TYPE_CHECKING:
+    from zeroshard.format.manifest import Manifest
+    from zeroshard.toolkit.gather import FlatPieces
+    from zeroshard.toolkit.plan import Plan
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
@@ -113,6 +112,11 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
                  for i, plan in plans.items() if plan.hash_table and task.tensors is None}
         # the plan's pieces: from small local inputs, mapped whole, through numpy (gather.py);
         # from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
+        import numpy as np  # imported when a copy starts, not with the command
+
+        from zeroshard.toolkit import gather
+        from zeroshard.toolkit.plan import plan_outputs
+
         plan = plan_outputs(job.manifest, job.planner, plans, task.tensors)
         sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
         mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
@@ -147,6 +151,8 @@ Piece = tuple[int, int, int, int, str]
 def _pieces_by_input(manifest: Manifest, plan: Plan) -> dict[int, dict[str, list[Piece]]]:
     """The plan's pieces by input rank and tensor, as the copy loops take them."""
     needed: dict[int, dict[str, list[Piece]]] = {}
+    import numpy as np
+
     size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor]
     dtypes = [t.dtype for t in manifest.tensors.values()]
     columns = (plan.input, plan.tensor, (plan.input_offset - plan.input_fragment) // size, plan.output,
@@ -157,8 +163,12 @@ def _pieces_by_input(manifest: Manifest, plan: Plan) -> dict[int, dict[str, list
     return needed
 
 
-def _mapped_pieces(plan: Plan, manifest: Manifest) -> gather.FlatPieces:
+def _mapped_pieces(plan: Plan, manifest: Manifest) -> FlatPieces:
     """A plan's pieces sorted by input rank, then tensor."""
+    import numpy as np
+
+    from zeroshard.toolkit import gather
+
     order = np.lexsort((plan.tensor, plan.input))
     size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor[order]]
     return gather.FlatPieces(plan.tensor_names, plan.input[order], plan.tensor[order],
@@ -230,6 +240,8 @@ def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, piece
                     continue
                 data = step[(lo - first) * size:(hi - first) * size]
                 if dtype != tensor.dtype:
+                    from zeroshard.toolkit.gather import cast_bytes  # numpy and torch: only for a cast
+
                     data = cast_bytes(data, tensor.dtype, dtype)
                 at = dst + (lo - src) * DTYPE_SIZES[dtype]
                 out = outputs[index]
