@@ -224,13 +224,17 @@ def _metadata_json(metadata: dict[str, str]) -> bytes:
     return json.dumps(metadata, separators=(",", ":")).encode()
 
 
-_shared: list = [None, None]  # the last manifest given and its layouts
+_last_made: tuple = (None, None)  # the last manifest given and its layouts, replaced whole (threads)
 
 
 def layouts_of(manifest) -> RankLayouts:
     """The files of a parsed manifest, as they are on disk (1.0 files have no hash table). The
     last manifest's are kept, so a copy's planner and its reader compose each run once."""
-    if _shared[0] is not manifest:
-        _shared[:] = [manifest, RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id,
-                                            manifest.version, hash_table=manifest.legacy_hashes is None)]
-    return _shared[1]
+    global _last_made
+    made = _last_made
+    if made[0] is manifest:
+        return made[1]
+    layouts = RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id, manifest.version,
+                          hash_table=manifest.legacy_hashes is None)
+    _last_made = (manifest, layouts)
+    return layouts

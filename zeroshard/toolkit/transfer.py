@@ -1,5 +1,6 @@
-"""Rank-major copying: every output file's header and size computed up front, then each input
-rank file read once, front to back, each fragment dropped at its computed offsets in the outputs.
+"""Rank-major copying, the local executor of a plan (zeroshard.toolkit.plan): every output file's
+header and size computed up front, then each input rank file read once, front to back, each
+piece of the plan dropped at its offset in the outputs. No partition arithmetic here.
 
 This is how reshard and consolidate move bytes into local outputs. The cost is O(bytes + files +
 fragments) with one memcpy per piece and no per-fragment open or system call (outputs are
