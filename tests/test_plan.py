@@ -181,3 +181,41 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
                                        "--include", "nothing*"])
     assert result.exit_code != 0 and "matches no tensor" in result.output  # checked as a real run would
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
+    """reshard and consolidate move exactly the plan's pieces (small inputs mapped whole, or with
+    a tiny window every input read side by side): a piece left out of the plan is left out."""
+    from safetensors.torch import load_file
+
+    from zeroshard.toolkit import plan as plan_module
+    from zeroshard.toolkit import transfer
+    from zeroshard.toolkit.consolidate import consolidate
+    from zeroshard.toolkit.reshard import reshard
+
+    if window:
+        monkeypatch.setattr(transfer, "WINDOW_BYTES", window)
+    specs = [TensorSpec("w", "param", "F32", (40, 3), "flat"), TensorSpec("b", "param", "F32", (7,), "flat")]
+    data = {"w": torch.randn(40, 3), "b": torch.randn(7)}
+    write_checkpoint(str(tmp_path / "ck"), specs, data, 3)
+    reshard(str(tmp_path / "ck"), 4, str(tmp_path / "r4"))
+    assert read_checkpoint(str(tmp_path / "r4"))["w"].equal(data["w"])
+    made = []
+    original = plan_module.plan_outputs
+
+    def last_piece_dropped(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        made.append(plan)
+        keep = np.ones(len(plan), dtype=bool)
+        keep[np.flatnonzero(plan.tensor == plan.tensor_names.index("w"))[-1]] = False
+        return plan.take(keep)
+
+    monkeypatch.setattr(plan_module, "plan_outputs", last_piece_dropped)
+    consolidate(str(tmp_path / "ck"), str(tmp_path / "m.safetensors"))
+    assert made and sum(int(p.nbytes.sum()) for p in made) == (120 + 7) * 4
+    out = load_file(str(tmp_path / "m.safetensors"))
+    assert out["b"].equal(data["b"])
+    last = shard_range(120, 3, 2)  # the last piece of w: rank 2's fragment, never copied
+    assert out["w"].reshape(-1)[:last[0]].equal(data["w"].reshape(-1)[:last[0]])
+    assert (out["w"].reshape(-1)[last[0]:] == 0).all()
