@@ -182,7 +182,7 @@ def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) 
     runs = np.searchsorted(np.asarray(layouts.starts, dtype=np.int64), needed, side="right") - 1
     table = np.full((len(layouts.starts), len(layouts.tensors)), -1, dtype=np.int64)  # run, tensor -> begin
     for r in np.unique(runs).tolist():
-        run = layouts.runs[r]
+        run = layouts.run_of(layouts.starts[r])  # made on first use: only the runs needed
         table[r, run.tensors] = run.begin
     run_of = np.zeros(manifest.world_size, dtype=np.int64)
     run_of[needed] = runs
