@@ -142,8 +142,9 @@ def test_plans_are_pure_split_and_describe(tmp_path):
             assert (np.concatenate([getattr(p, column) for p in parts]) == getattr(plan, column)).all()
         owned = [set(p.outputs_used()) for p in parts]
         assert sum(len(o) for o in owned) == len(set().union(*owned))  # each output in one part only
+        assert sum(sum(1 for s in p.output_sizes if s) for p in parts) == 7  # each part describes its own
     text = plan.describe()
-    assert f"read {int(plan.nbytes.sum()):,} bytes" in text and f"into {len(plan.outputs_used())} files" in text
+    assert f"read {int(plan.nbytes.sum()):,} bytes" in text and "into 7 files" in text
     assert "rank-00000-of-00007.safetensors" in text
     with pytest.raises(ValueError):
         plan.split(0)
@@ -175,7 +176,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
                                max_shard_size="64B" if what == "folder" else None))
         assert "nothing written" in result.output
         assert f"read {int(plan.nbytes.sum()):,} bytes from" in result.output
-        assert f"into {len(plan.outputs_used())} files" in result.output
+        assert f"into {sum(1 for s in plan.output_sizes if s)} files" in result.output
         assert _tree(tmp_path) == before, what  # no output, no claim, no stage, no temp file
     result = CliRunner().invoke(main, ["consolidate", str(tmp_path / "ck"), str(tmp_path / "o"), "--dry-run",
                                        "--include", "nothing*"])

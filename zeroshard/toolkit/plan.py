@@ -75,15 +75,18 @@ class Plan:
         goals = ends[-1] * np.arange(1, parts) / parts if len(ends) else []
         cuts = np.unique(np.r_[0, np.searchsorted(ends, goals, side="right"), len(self.output_sizes)])
         bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
-        return [self.take(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return [replace(self.take(slice(a, b)), output_sizes=[s if i0 <= i < i1 else 0
+                                                               for i, s in enumerate(self.output_sizes)])
+                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]) if b > a]
 
     def outputs_used(self) -> list[int]:
+        """The outputs this plan writes pieces into."""
         return np.unique(self.output).tolist()
 
     def describe(self, limit: int = 10) -> str:
         """What would be read and written, for people (`--dry-run`)."""
         read, written, used = int(self.nbytes.sum()), int(self.written.sum()), np.unique(self.input)
-        outputs = self.outputs_used() if len(self) else []
+        outputs = [i for i, size in enumerate(self.output_sizes) if size]  # files with no piece too
         casts = ", ".join(f"{a} -> {b}" for a, b in self.casts[1:]) or "none"
         lines = [f"read {read:,} bytes from {len(used)} of {len(self.input_names)} input files",
                  f"write {sum(self.output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
