@@ -130,10 +130,12 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
 @click.option("--distributed/--single", "distributed", default=None,
               help="Share the work among the processes torchrun started (default: when launched by torchrun "
                    "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
+@click.option("--dry-run", is_flag=True, help="Print what would be read and written (files, bytes); write nothing.")
 @_common
 def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, include: tuple[str, ...],
                 exclude: tuple[str, ...], strip_prefix: tuple[str, ...], config: str | None, overwrite: bool,
-                workers: int | None, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
+                workers: int | None, distributed: bool | None, dry_run: bool, storage_options: dict,
+                quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
     \b
@@ -152,8 +154,15 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     if out.rstrip("/").lower().endswith(NOT_SAFETENSORS):
         raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
                              f"*.safetensors (one file) or give a folder (HF's layout)")
+    choice = {"include": list(include), "exclude": list(exclude), "strip_prefix": list(strip_prefix)}
+    if dry_run:
+        from zeroshard.toolkit.consolidate import dry_run as plan_only
+
+        click.echo(plan_only(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, storage_options=storage_options,
+                             **choice))
+        return
     source = _source(ckpt, storage_options)
-    choice = {"include": list(include), "exclude": list(exclude), "strip_prefix": list(strip_prefix), "config": config}
+    choice["config"] = config
     if _use_torchrun(distributed):
         from zeroshard.toolkit.distributed import consolidate_distributed
 
@@ -220,14 +229,14 @@ def _process_group() -> Iterator[int]:
 def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
     """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
     from zeroshard.format import open_checkpoint
-    from zeroshard.partition import chunk_size
+    from zeroshard.partition import owning_ranks
 
     try:
         _, manifest = open_checkpoint(ckpt, storage_options)
     except ZeroshardError:
         return None  # the command itself reports why
     sizes = [t.numel for t in manifest.tensors.values() if t.layout == "flat" and t.numel]
-    used = max((-(-n // chunk_size(n, world_size)) for n in sizes), default=world_size)
+    used = max((owning_ranks(n, world_size)[1] for n in sizes), default=world_size)
     return world_size - used, max(sizes, default=0)
 
 
@@ -247,9 +256,11 @@ def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int
 @click.option("--distributed/--single", "distributed", default=None,
               help="Share the work among the processes torchrun started (default: when launched by torchrun "
                    "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
+@click.option("--dry-run", is_flag=True, help="Print what would be read and written (files, bytes); write nothing.")
 @_common
 def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, overwrite: bool, workers: int | None,
-            allow_empty_ranks: bool, distributed: bool | None, storage_options: dict, quiet: bool) -> None:
+            allow_empty_ranks: bool, distributed: bool | None, dry_run: bool, storage_options: dict,
+            quiet: bool) -> None:
     """Rewrite checkpoint CKPT for a different number of ranks, optimizer state included.
 
     Works for any M: larger, smaller, not a divisor. Each new rank's piece of every tensor is
@@ -266,6 +277,11 @@ def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, ov
     if empty and empty[0] > world_size // 2 and not allow_empty_ranks:  # a typo'd --to, not a plan
         raise ZeroshardError(f"{ckpt}: at {world_size:,} ranks, {empty[0]:,} would hold no element of any tensor "
                              f"(the largest has {empty[1]:,}); pass --allow-empty-ranks to write them anyway")
+    if dry_run:
+        from zeroshard.toolkit.reshard import dry_run as plan_only
+
+        click.echo(plan_only(ckpt, world_size, out, storage_options))
+        return
     if _use_torchrun(distributed):
         from zeroshard.toolkit.distributed import reshard_distributed
 

@@ -37,6 +37,27 @@ def shard_range(numel: int, world_size: int, rank: int) -> Range:
     return start, min(start + size, numel)
 
 
+def owning_ranks(numel: int, world_size: int) -> tuple[int, int]:
+    """(full, nonempty): ranks below `full` own a whole chunk, ranks in [full, nonempty) (at most
+    one) own the shorter rest, ranks from `nonempty` on own nothing."""
+    if not numel:
+        return 0, 0
+    size = chunk_size(numel, world_size)
+    return numel // size, -(-numel // size)
+
+
+def rank_ranges(numels: Iterable[int], world_size: int, rank: int) -> list[Range]:
+    """shard_range of many tensors for one rank, in one call (a reshard asks tensors x ranks times)."""
+    if not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank {rank} out of range for world_size {world_size}")
+    out = []
+    for n in numels:
+        size = -(-n // world_size)
+        start = rank * size if rank * size < n else n
+        out.append((start, start + size if start + size < n else n))
+    return out
+
+
 def shard_ranges(numel: int, world_size: int) -> list[Range]:
     """Every rank's range, in rank order. They tile [0, numel) exactly."""
     return [shard_range(numel, world_size, r) for r in range(world_size)]

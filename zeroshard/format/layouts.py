@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zeroshard.format.manifest import FORMAT_NAME, HASH_TABLE_NAME, TensorEntry, rank_contents
+from zeroshard.partition import owning_ranks
 from zeroshard.storage.safetensors_header import Header, HeaderEntry, build_header_bytes
 
 _PREFIX = b'{"__metadata__":'
@@ -72,9 +73,7 @@ class RankLayouts:
         for t in self.tensors[:base]:
             n = t.numel
             if t.layout == "flat":
-                if n:
-                    c = -(-n // world_size)
-                    breaks.update((n // c, -(-n // c)))
+                breaks.update(owning_ranks(n, world_size))
             elif n:
                 holder = t.owner if t.layout == "local" else 0
                 breaks.update((holder, holder + 1))
@@ -152,8 +151,9 @@ class RankLayouts:
         extras = self._extras.get(rank)
         if not extras:
             return run
-        if self._last is not None and self._last[0] == rank:
-            return self._last[1]
+        last = self._last  # read once: threads of one copy may share this object (layouts_of)
+        if last is not None and last[0] == rank:
+            return last[1]
         if run.body is None:
             layout = [(self.tensors[i].name, self.tensors[i].dtype, (n // self.tensors[i].itemsize,))
                       for i, n in zip(run.tensors, run.nbytes)]
@@ -224,7 +224,17 @@ def _metadata_json(metadata: dict[str, str]) -> bytes:
     return json.dumps(metadata, separators=(",", ":")).encode()
 
 
+_last_made: tuple = (None, None)  # the last manifest given and its layouts, replaced whole (threads)
+
+
 def layouts_of(manifest) -> RankLayouts:
-    """The files of a parsed manifest, as they are on disk (1.0 files have no hash table)."""
-    return RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id, manifest.version,
-                       hash_table=manifest.legacy_hashes is None)
+    """The files of a parsed manifest, as they are on disk (1.0 files have no hash table). The
+    last manifest's are kept, so a copy's planner and its reader compose each run once."""
+    global _last_made
+    made = _last_made
+    if made[0] is manifest:
+        return made[1]
+    layouts = RankLayouts(list(manifest.tensors.values()), manifest.world_size, manifest.id, manifest.version,
+                          hash_table=manifest.legacy_hashes is None)
+    _last_made = (manifest, layouts)
+    return layouts

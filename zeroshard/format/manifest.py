@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from zeroshard import __version__
 from zeroshard.errors import CheckpointError, MissingKeyError
-from zeroshard.partition import shard_range
+from zeroshard.partition import rank_ranges, shard_range
 from zeroshard.storage.hashing import HASH_ALGORITHM
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 
@@ -367,16 +367,14 @@ def owned_range(t: TensorEntry, world_size: int, rank: int) -> tuple[int, int]:
 
 def rank_contents(tensors: Iterable[TensorEntry], world_size: int, rank: int) -> list[tuple[TensorEntry, int, int]]:
     """(tensor, start, end) for every non-empty fragment of `rank`'s file, in file order."""
+    tensors = list(tensors)  # owned_range, for all at once: this runs tensors x ranks times in a reshard
     out = []
-    for t in tensors:  # owned_range, inlined: this runs tensors x ranks times in a reshard
-        n = t.numel
+    for t, (start, end) in zip(tensors, rank_ranges([t.numel for t in tensors], world_size, rank)):
         if t.layout == "flat":
-            size = -(-n // world_size)
-            start = rank * size
-            if start < n:
-                out.append((t, start, min(start + size, n)))
-        elif n and rank == (t.owner if t.layout == "local" else 0):
-            out.append((t, 0, n))
+            if start < end:
+                out.append((t, start, end))
+        elif t.numel and rank == (t.owner if t.layout == "local" else 0):
+            out.append((t, 0, t.numel))
     return out
 
 

@@ -16,56 +16,22 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 
-from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, split_file_url
-from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.format.full_model import HF_INDEX_NAME, split_file_url
+from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.storage.stream_writer import SafetensorsStreamWriter
-from zeroshard.toolkit.load import select, strip
 from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, cast_bytes, run_transfer
+from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
+from zeroshard.toolkit.transfer import Job, run_transfer
 from zeroshard.toolkit.workers import auto_workers
 
-CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 CONFIG_NAME = "config.json"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, '1000' -> 1000 (HF's convention: GB is 1e9)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ZeroshardError(f"cannot read size {text!r}: use e.g. 5GB, 500MB, 2GiB or a byte count")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    base = 1024 if "I" in unit else 1000
-    return int(number * base**power)
-
-
-@dataclass(frozen=True)
-class OutputTensor:
-    name: str  # name in the output (an alias of a tied weight is written as its own copy)
-    source: TensorEntry
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel * DTYPE_SIZES[self.dtype]
-
-
-def plan_shards(tensors: list[OutputTensor], max_bytes: int) -> list[list[OutputTensor]]:
-    """HF's greedy split: fill a file until the next tensor would overflow it; a tensor larger
-    than the limit gets a file of its own (zeroshard.bucketing, as the engine's buckets)."""
-    return greedy_groups(tensors, lambda t: t.nbytes, max_bytes) or [[]]
 
 
 @output_transaction
@@ -99,64 +65,23 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, m
          include: list[str] | None = None, exclude: list[str] | None = None, strip_prefix: list[str] | None = None,
          ) -> tuple[Location, list[str], list[list[OutputTensor]], int, bool]:
     """What consolidate writes: (folder, file names, tensors per file, total bytes, single file?)."""
-    storage_options = source.storage_options
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise ZeroshardError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
-    cast = CAST_DTYPES.get(dtype) if dtype else None
-    tensors = []
-    model_entries = [t for t in manifest.tensors.values() if t.role in ("param", "buffer")]
-    if not model_entries:
-        raise ZeroshardError(f"{source.url}: the checkpoint holds no model weights")
-    for entry in model_entries:
-        tensors.append(OutputTensor(entry.name, entry, cast if cast and entry.dtype in _FLOAT_DTYPES else entry.dtype))
-    for alias, target in manifest.aliases.items():
-        base = next((t for t in tensors if t.name == target), None)
-        if base is not None:
-            tensors.append(OutputTensor(alias, base.source, base.dtype))
-    tensors = choose(source.url, tensors, include, exclude, strip_prefix)
-
-    single_file = out.rstrip("/").endswith(".safetensors")
-    if single_file and max_shard_size:
-        raise ZeroshardError(f"{out}: --max-shard-size writes HF's sharded layout into a folder; give a folder as OUT")
-    if single_file:
-        folder, names = Location(split_file_url(out)[0], storage_options), [split_file_url(out)[1]]
-        shards = [tensors]
-    else:
-        folder = Location(out, storage_options)
-        shards = plan_shards(tensors, parse_size(max_shard_size or "5GB"))
-        count = len(shards)
-        names = ([HF_SINGLE_NAME] if count == 1
-                 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+    tensors = model_tensors(source.url, manifest, dtype, include, exclude, strip_prefix)
+    names, shards, single_file = output_files(out, tensors, max_shard_size)
+    folder = Location(split_file_url(out)[0] if single_file else out, source.storage_options)
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
 
 
-def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exclude: list[str] | None,
-           strip_prefix: list[str] | None) -> list[OutputTensor]:
-    """The tensors `include`/`exclude` select (load_state_dict's rules), renamed by `strip_prefix`.
-    A glob matching no tensor is an error (a typo would otherwise silently change the output)."""
-    names = [t.name for t in tensors]
-    for flag, globs in (("--include", include), ("--exclude", exclude)):
-        for glob in globs or ():
-            if not select(names, glob):
-                raise ZeroshardError(f"{url}: {flag} {glob!r} matches no tensor (`zeroshard inspect --tensors` "
-                                     f"lists the {len(names)} names)")
-    chosen = set(select(names, include or None, exclude))
-    if not chosen:
-        raise ZeroshardError(f"{url}: --include/--exclude leave no tensor to write")
-    prefixes = list(strip_prefix or [])
-    out: list[OutputTensor] = []
-    seen: dict[str, str] = {}
-    for t in tensors:
-        if t.name not in chosen:
-            continue
-        new = strip(t.name, prefixes)
-        if not new:
-            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {t.name!r} with an empty name")
-        if new in seen:
-            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {t.name!r} both {new!r}")
-        seen[new] = t.name
-        out.append(OutputTensor(new, t.source, t.dtype))
-    return out
+def dry_run(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
+            storage_options: dict | None = None, include: list[str] | None = None, exclude: list[str] | None = None,
+            strip_prefix: list[str] | None = None) -> str:
+    """What `consolidate` would read and write, from the manifest alone: nothing is written."""
+    from zeroshard.toolkit.plan import plan_files  # numpy: only when asked
+
+    source, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
+    folder, names, shards, total, _ = plan(source, manifest, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
+                                           include=include, exclude=exclude, strip_prefix=strip_prefix)
+    return (f"dry run: {source.url} -> {folder.url}: {len(names)} file(s), {total:,} bytes of weights; nothing "
+            f"written\n" + plan_files(manifest, names, shards).describe())
 
 
 def model_config(manifest: Manifest, config: str | None, single_file: bool, out: str) -> bytes | None:
@@ -255,7 +180,11 @@ def _write_streaming(source: Location, manifest: Manifest, folder: Location, nam
 
 
 def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
-    return chunk if src == dst else cast_bytes(chunk, src, dst)
+    if src == dst:
+        return chunk
+    from zeroshard.toolkit.gather import cast_bytes  # numpy and torch: only when a cast is asked
+
+    return cast_bytes(chunk, src, dst)
 
 
 def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int,

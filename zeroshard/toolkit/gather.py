@@ -1,10 +1,10 @@
 """Many small fragments, copied with numpy: the tensors x ranks case of rank-major copying.
 
 A reshard of 300 tensors from 1,024 to 1,000 ranks is about 600,000 pieces of a few bytes each. A
-Python loop spends microseconds on each; here they are planned with array arithmetic (the
-partition rule over every output tensor of a task at once) and copied with one gather per
-(input file, output file) pair. Used by zeroshard.toolkit.transfer for flat tensors copied
-without a dtype cast from small local input files; everything else takes the per-piece path.
+Python loop spends microseconds on each; here a plan's pieces (zeroshard.toolkit.plan) are
+copied with one gather per (input file, output file) pair. Used by zeroshard.toolkit.transfer
+for pieces copied without a dtype cast from small local input files; everything else takes the
+per-piece path.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ class FlatPieces:
     source_element: np.ndarray  # offset inside the input fragment, in elements
     output: np.ndarray  # output index
     destination: np.ndarray  # byte offset in the output file
-    nbytes: np.ndarray
+    nbytes: np.ndarray  # bytes read
     itemsize: np.ndarray  # per piece
+    cast: np.ndarray  # per piece: an index into casts (0: none)
+    casts: list[tuple[str, str] | None]
 
     def ranks(self) -> list[tuple[int, int, int]]:
         """(rank, first piece, end piece) for each input rank, in order."""
@@ -45,29 +47,6 @@ class FlatPieces:
         starts = np.flatnonzero(np.r_[True, self.rank[1:] != self.rank[:-1]])
         ends = np.r_[starts[1:], len(self.rank)]
         return [(int(self.rank[a]), int(a), int(b)) for a, b in zip(starts, ends)]
-
-
-def plan_flat(world: int, tensors: list[tuple[int, str, int, int, int, int, int]]) -> FlatPieces:
-    """Pieces of (output, name, start, end, begin, numel, itemsize) output tensors of flat sources
-    at `world` ranks: each output range cut where the source's rank boundaries fall."""
-    names: dict[str, int] = {}
-    columns = np.array([(o, names.setdefault(n, len(names)), s, e, b, numel, size)
-                        for o, n, s, e, b, numel, size in tensors if e > s], dtype=np.int64).reshape(-1, 7)
-    out, tid, start, end, begin, numel, size = columns.T
-    chunk = -(-numel // world)
-    first = start // np.maximum(chunk, 1)
-    count = (end - 1) // np.maximum(chunk, 1) - first + 1
-    which = np.repeat(np.arange(len(columns)), count)
-    rank = first[which] + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-    frag_start = rank * chunk[which]
-    frag_end = np.minimum(frag_start + chunk[which], numel[which])
-    lo = np.maximum(start[which], frag_start)
-    hi = np.minimum(end[which], frag_end)
-    order = np.lexsort((tid[which], rank))
-    pick = which[order]
-    return FlatPieces(list(names), rank[order], tid[pick], (lo - frag_start)[order], out[pick],
-                      (begin[which] + (lo - start[which]) * size[which])[order],
-                      ((hi - lo) * size[which])[order], size[pick])
 
 
 def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, first: int, end: int,
@@ -86,9 +65,9 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, f
         begins[i] = entries[pieces.names[tid]].begin
     source = begins[np.searchsorted(unique, tids)] + pieces.source_element[first:end] * pieces.itemsize[first:end]
     source_bytes = np.frombuffer(whole, dtype=np.uint8)
-    outs = pieces.output[first:end]
+    outs, cast = pieces.output[first:end], pieces.cast[first:end]
     for index in np.unique(outs).tolist():
-        mine = outs == index
+        mine = (outs == index) & (cast == 0)
         src, dst, n = source[mine], pieces.destination[first:end][mine], pieces.nbytes[first:end][mine]
         out = outputs[index]
         target = np.frombuffer(out.view, dtype=np.uint8)
@@ -98,9 +77,29 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, f
         for s, d, k in zip(src[~small].tolist(), dst[~small].tolist(), n[~small].tolist()):
             out.view[d:d + k] = whole[s:s + k]
         out.wrote(int(n.sum()))
+    for k in np.flatnonzero(cast).tolist():  # casts: one at a time
+        s, n = int(source[k]), int(pieces.nbytes[first + k])
+        data = cast_bytes(whole[s:s + n], *pieces.casts[int(cast[k])])
+        at, out = int(pieces.destination[first + k]), outputs[int(outs[k])]
+        out.view[at:at + len(data)] = data
+        out.wrote(len(data))
     del source_bytes, target, whole
     if progress is not None:
         progress(size)
+
+
+def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
+    """Elements of dtype `src` as dtype `dst` (torch is imported only here, when a cast is asked)."""
+    import warnings
+
+    import torch
+
+    from zeroshard.storage.safetensors_header import torch_dtype
+
+    with warnings.catch_warnings():  # a read-only view of the page cache: only read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(data, dtype=torch_dtype(src)).to(torch_dtype(dst))
+    return memoryview(values.view(torch.uint8).numpy())
 
 
 def check_input(reader: "CheckpointReader", rank: int, whole: memoryview, names) -> None:

@@ -33,6 +33,7 @@ from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import FORMAT_VERSION, Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
+from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
@@ -137,22 +138,16 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
         k += n
     pos, tid, off, nbytes = (np.concatenate(column) for column in zip(*parts))
     out_rank = np.asarray(ranks, dtype=np.int64)[pos]
-    out_chunk = -(-numel // planner.world_size)
-    start = np.where(flat[tid], np.minimum(out_rank * out_chunk[tid], numel[tid]), 0)
+    start = np.where(flat[tid], shard_ranges(numel[tid], planner.world_size, out_rank)[0], 0)
     end = start + nbytes // itemsize[tid]
 
-    # Cut each at the input's rank boundaries (flat), or take it from its holder (whole, local).
+    # Cut each at the input's rank boundaries (flat), or take it from its holder (whole, local:
+    # one rank holding all, as a world of 1 shifted to the holder).
     in_world = manifest.world_size
-    in_chunk = np.maximum(-(-numel // in_world), 1)
-    first = np.where(flat[tid], start // in_chunk[tid], holder[tid])
-    count = np.where(flat[tid], (end - 1) // in_chunk[tid] - start // in_chunk[tid] + 1, 1)
-    which = np.repeat(np.arange(len(tid)), count)
-    rank_in = first[which] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    found = holders(numel[tid], np.where(flat[tid], in_world, 1), start, end)
+    which, frag_start, lo, hi = found.row, found.rank_start, found.lo, found.hi
     t = tid[which]
-    frag_start = np.where(flat[t], rank_in * in_chunk[t], 0)
-    frag_end = np.where(flat[t], np.minimum(frag_start + in_chunk[t], numel[t]), numel[t])
-    lo = np.maximum(start[which], frag_start)
-    hi = np.minimum(end[which], frag_end)
+    rank_in = found.rank + np.where(flat[t], 0, holder[t])
     size = itemsize[t]
     dst = off[which] + (lo - start[which]) * size
     piece_bytes = (hi - lo) * size

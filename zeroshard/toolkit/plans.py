@@ -9,6 +9,7 @@ from typing import NamedTuple, Sequence
 
 from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
 from zeroshard.format.writer import rank_metadata
+from zeroshard.partition import chunk_size
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 
@@ -82,12 +83,12 @@ class RankFilePlans:
                            rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
 
     def pieces(self, index: int, source_world: int) -> int:
-        return len(self.tensors) * (-(-source_world // self.world_size) + 1)
+        return len(self.tensors) * (chunk_size(source_world, self.world_size) + 1)
 
     def nbytes(self, index: int) -> int:
         """About how big each output is (for grouping outputs into tasks)."""
         if self._nbytes is None:
-            self._nbytes = sum(t.nbytes for t in self.tensors) // self.world_size
+            self._nbytes = chunk_size(sum(t.nbytes for t in self.tensors), self.world_size)
         return self._nbytes
 
 

@@ -86,6 +86,19 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     return ReshardResult(new, target, dropped)
 
 
+def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options: dict | None = None) -> str:
+    """What `reshard` would read and write, from the manifest alone: nothing is written."""
+    from zeroshard.toolkit.plan import make_plan  # numpy: only when asked
+
+    if world_size < 1:
+        raise ZeroshardError(f"--to must be at least 1, got {world_size}")
+    given = Location(os.fspath(ckpt), storage_options)
+    source, manifest = open_checkpoint(given)
+    out_url = out or default_output(given.url, world_size)
+    return (f"dry run: {source.url} ({manifest.world_size} ranks) -> {out_url} ({world_size} ranks); nothing written\n"
+            + make_plan(manifest, world_size).describe())
+
+
 def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
                       checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
     planner = RankFilePlans(specs, world_size, checkpoint_id)

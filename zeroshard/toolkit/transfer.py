@@ -1,5 +1,6 @@
-"""Rank-major copying: every output file's header and size computed up front, then each input
-rank file read once, front to back, each fragment dropped at its computed offsets in the outputs.
+"""Rank-major copying, the local executor of a plan (zeroshard.toolkit.plan): every output file's
+header and size computed up front, then each input rank file read once, front to back, each
+piece of the plan dropped at its offset in the outputs. No partition arithmetic here.
 
 This is how reshard and consolidate move bytes into local outputs. The cost is O(bytes + files +
 fragments) with one memcpy per piece and no per-fragment open or system call (outputs are
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.reader import CheckpointReader, fragments_of
+from zeroshard.format.reader import CheckpointReader
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.location import Location
@@ -32,6 +33,11 @@ from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.output_hashes import InOrderHashes
 from zeroshard.toolkit.plans import Finished, Job, OutputPlan, RankFilePlans, Task
 from zeroshard.toolkit.workers import worker_pool
+
+if TYPE_CHECKING:
+    from zeroshard.format.manifest import Manifest
+    from zeroshard.toolkit.gather import FlatPieces
+    from zeroshard.toolkit.plan import Plan
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
 PWRITE_BYTES = 256 * 1024  # pieces this big go out by pwrite rather than a memcpy into the output's map
@@ -105,29 +111,26 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
         # hashes taken during the copy, for whole rank files (others: none needed, or not ours)
         taken = {i: InOrderHashes(plan.header, [(t.begin, t.begin + t.nbytes) for t in plan.tensors])
                  for i, plan in plans.items() if plan.hash_table and task.tensors is None}
-        # small local inputs: flat tensors copied as they are go through numpy (gather.py)
-        vectorize = source.local and max(f.size for f in job.manifest.files) <= WINDOW_BYTES
-        needed, flat = _pieces_by_input(job.manifest.world_size, plans, task, vectorize)
-        spans = {}
-        if flat:
-            from zeroshard.toolkit import gather
+        # the plan's pieces: from small local inputs, mapped whole, through numpy (gather.py);
+        # from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
+        import numpy as np  # imported when a copy starts, not with the command
 
-            pieces = gather.plan_flat(job.manifest.world_size, flat)
-            spans = {rank: (first, end) for rank, first, end in pieces.ranks()}
-        # big (or remote) inputs are read side by side, up to MAX_OPEN_INPUTS at once
-        files = job.manifest.files
-        big = sorted(rank for rank in needed
-                     if (not source.local or files[rank].size > WINDOW_BYTES) and rank not in spans)
+        from zeroshard.toolkit import gather
+        from zeroshard.toolkit.plan import plan_outputs
+
+        plan = plan_outputs(job.manifest, job.planner, plans, task.tensors)
+        sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
+        mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
+        needed = _pieces_by_input(job.manifest, plan.take(~mapped))
+        pieces = _mapped_pieces(plan.take(mapped), job.manifest)
+        big = sorted(needed)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
             for at in range(0, len(big), MAX_OPEN_INPUTS):
                 group = {rank: needed.pop(rank) for rank in big[at:at + MAX_OPEN_INPUTS]}
                 _copy_side_by_side(reader, group, outputs, progress, taken)
                 reader.close()
-            for rank in sorted(set(needed) | set(spans)):  # small local inputs, one at a time
-                if rank in spans:
-                    gather.copy_from_input(reader, rank, pieces, *spans[rank], outputs, progress)
-                if rank in needed:
-                    _copy_from_input(reader, rank, needed[rank], outputs, None if rank in spans else progress)
+            for rank, first, end in pieces.ranks():  # small local inputs, one at a time
+                gather.copy_from_input(reader, rank, pieces, first, end, outputs, progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
@@ -146,81 +149,32 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
 Piece = tuple[int, int, int, int, str]
 
 
-def _pieces_by_input(world: int, plans: dict[int, OutputPlan], task: Task,
-                     vectorize: bool = False) -> tuple[dict[int, dict[str, list[Piece]]], list[tuple]]:
-    """Pieces by input rank and tensor; with `vectorize`, flat tensors copied without a cast are
-    returned instead as (output, name, start, end, begin, numel, itemsize) rows for gather.py."""
+def _pieces_by_input(manifest: Manifest, plan: Plan) -> dict[int, dict[str, list[Piece]]]:
+    """The plan's pieces by input rank and tensor, as the copy loops take them."""
     needed: dict[int, dict[str, list[Piece]]] = {}
-    flat: list[tuple] = []
-    for index in task.outputs:
-        tensors = plans[index].tensors
-        chosen = range(len(tensors)) if task.tensors is None else task.tensors[index]
-        for i in chosen:
-            _, source, start, end, dtype, _, begin = tensors[i]
-            name = source.name
-            out_size = DTYPE_SIZES[dtype]
-            if vectorize and source.layout == "flat" and dtype == source.dtype:
-                flat.append((index, name, start, end, begin, source.numel, out_size))
-                continue
-            if source.layout == "flat":  # zeroshard.partition.holders, inlined: the hot loop of a big reshard
-                numel = source.numel
-                chunk = -(-numel // world)
-                rank = start // chunk if end > start else world
-                frag_start = rank * chunk
-                while frag_start < end:
-                    frag_end = frag_start + chunk if frag_start + chunk < numel else numel
-                    lo = start if start > frag_start else frag_start
-                    hi = end if end < frag_end else frag_end
-                    by_tensor = needed.setdefault(rank, {})
-                    piece = (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype)
-                    if name in by_tensor:
-                        by_tensor[name].append(piece)
-                    else:
-                        by_tensor[name] = [piece]
-                    rank += 1
-                    frag_start = frag_end
-                continue
-            for rank, frag_start, frag_end in fragments_of(source, world, start, end):
-                lo, hi = max(start, frag_start), min(end, frag_end)
-                needed.setdefault(rank, {}).setdefault(name, []).append(
-                    (lo - frag_start, index, begin + (lo - start) * out_size, hi - lo, dtype))
-    return needed, flat
+    import numpy as np
+
+    size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor]
+    dtypes = [t.dtype for t in manifest.tensors.values()]
+    columns = (plan.input, plan.tensor, (plan.input_offset - plan.input_fragment) // size, plan.output,
+               plan.output_offset, plan.nbytes // size, plan.cast)
+    for rank, tensor, src, index, dst, count, cast in zip(*(c.tolist() for c in columns)):
+        needed.setdefault(rank, {}).setdefault(plan.tensor_names[tensor], []).append(
+            (src, index, dst, count, plan.casts[cast][1] if cast else dtypes[tensor]))
+    return needed
 
 
-def _copy_from_input(reader: CheckpointReader, rank: int, fragments: dict[str, list[Piece]],
-                     outputs: dict[int, MappedOutput], progress: Callable[[int], None] | None) -> None:
-    """A small local input file (the many-ranks case), mapped whole and checked with one hash:
-    a memcpy per piece."""
-    opened = reader.open_file(rank)
-    entries = opened.header.entries
-    size = opened.header.file_size
-    whole = opened.reader.view(0, size)
-    if reader.verify_hashes:
-        from zeroshard.toolkit.gather import check_input
+def _mapped_pieces(plan: Plan, manifest: Manifest) -> FlatPieces:
+    """A plan's pieces sorted by input rank, then tensor."""
+    import numpy as np
 
-        check_input(reader, rank, whole, list(fragments))
-    out_views = {index: out.view for index, out in outputs.items()}
-    written = dict.fromkeys(outputs, 0)
-    tensors = reader.manifest.tensors
-    for name, pieces in fragments.items():
-        _, _, begin, end = entries[name]
-        view = whole[begin:end]
-        tensor = tensors[name]
-        itemsize, dtype_in = tensor.itemsize, tensor.dtype
-        for src, index, dst, count, dtype in pieces:
-            if dtype == dtype_in:
-                out_views[index][dst:dst + count * itemsize] = view[src * itemsize:(src + count) * itemsize]
-                written[index] += count * itemsize
-            else:
-                data = cast_bytes(view[src * itemsize:(src + count) * itemsize], dtype_in, dtype)
-                out_views[index][dst:dst + len(data)] = data
-                written[index] += len(data)
-    del view, whole
-    for index, nbytes in written.items():
-        if nbytes:
-            outputs[index].wrote(nbytes)  # bounded residency of big outputs fed by many small inputs
-    if progress is not None:
-        progress(size)
+    from zeroshard.toolkit import gather
+
+    order = np.lexsort((plan.tensor, plan.input))
+    size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor[order]]
+    return gather.FlatPieces(plan.tensor_names, plan.input[order], plan.tensor[order],
+                             (plan.input_offset - plan.input_fragment)[order] // size, plan.output[order],
+                             plan.output_offset[order], plan.nbytes[order], size, plan.cast[order], plan.casts)
 
 
 def _copy_side_by_side(reader: CheckpointReader, inputs: dict[int, dict[str, list[Piece]]],
@@ -287,6 +241,8 @@ def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, piece
                     continue
                 data = step[(lo - first) * size:(hi - first) * size]
                 if dtype != tensor.dtype:
+                    from zeroshard.toolkit.gather import cast_bytes  # numpy and torch: only for a cast
+
                     data = cast_bytes(data, tensor.dtype, dtype)
                 at = dst + (lo - src) * DTYPE_SIZES[dtype]
                 out = outputs[index]
@@ -307,20 +263,6 @@ def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, piece
 
 def _mismatch(reader: CheckpointReader, rank: int, name: str) -> CheckpointError:
     return CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
-
-
-def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
-    """Elements of dtype `src` as dtype `dst` (torch is imported only here, when a cast is asked)."""
-    import warnings
-
-    import torch
-
-    from zeroshard.storage.safetensors_header import torch_dtype
-
-    with warnings.catch_warnings():  # a read-only view of the page cache: only read, never written
-        warnings.simplefilter("ignore", UserWarning)
-        values = torch.frombuffer(data, dtype=torch_dtype(src)).to(torch_dtype(dst))
-    return memoryview(values.view(torch.uint8).numpy())
 
 
 def _finish(plan: OutputPlan, out: MappedOutput, taken: InOrderHashes | None) -> Finished:

@@ -1,0 +1,196 @@
+"""What a copy reads and writes, as arrays of pieces: the planner of reshard and consolidate.
+
+A Plan says, for every piece, which input file and byte offset it is read from, which output
+file and byte offset it goes to, how many bytes are read and which dtype cast (if any) applies.
+It is computed from the manifest alone (pure: no I/O), with the partition rule over all tensors
+at once (zeroshard.partition_arrays). Input offsets assume the headers a zeroshard writer puts
+in rank files (zeroshard.format.layouts); executors check them against the headers they read
+(`input_fragment` says where each piece's fragment was planned to start, so they can rebase).
+
+Outputs are rank files at a world size (reshard) or whole-tensor files (consolidate: one
+`.safetensors` file or HF's shards), chosen with include/exclude globs and a dtype cast
+(zeroshard.toolkit.selection, which imports no numpy: the commands start without it).
+`describe()` prints a plan (`--dry-run`), `split(k)` cuts it by output for k workers or ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from zeroshard.errors import InvalidArgumentError
+from zeroshard.format.layouts import layouts_of
+from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.partition_arrays import holders
+from zeroshard.storage.safetensors_header import DTYPE_SIZES
+from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, plan_output
+from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files
+
+COLUMNS = ("input", "input_offset", "output", "output_offset", "nbytes", "cast", "tensor", "input_fragment")
+
+
+@dataclass
+class Plan:
+    """Pieces as parallel int64 arrays (COLUMNS), ordered by output then output offset.
+
+    `tensor` indexes `tensor_names` (the input's tensors), `cast` indexes `casts` (0: none), and
+    `input_fragment` is the planned offset of the input fragment a piece is read from."""
+
+    input_names: list[str]
+    input_sizes: list[int]
+    outputs: FixedPlans | RankFilePlans  # each output file's name, header and tensors (plans.py)
+    output_sizes: list[int]
+    tensor_names: list[str]
+    casts: list[tuple[str, str] | None]
+    input: np.ndarray = field(repr=False)
+    input_offset: np.ndarray = field(repr=False)
+    output: np.ndarray = field(repr=False)
+    output_offset: np.ndarray = field(repr=False)
+    nbytes: np.ndarray = field(repr=False)
+    cast: np.ndarray = field(repr=False)
+    tensor: np.ndarray = field(repr=False)
+    input_fragment: np.ndarray = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def written(self) -> np.ndarray:
+        """Bytes each piece writes (a cast changes the element size)."""
+        ratio = np.array([1.0] + [DTYPE_SIZES[c[1]] / DTYPE_SIZES[c[0]] for c in self.casts[1:]])
+        return (self.nbytes * ratio[self.cast]).astype(np.int64)
+
+    def take(self, mask: np.ndarray) -> Plan:
+        """The pieces `mask` (booleans or indices) selects, everything else shared."""
+        return replace(self, **{k: getattr(self, k)[mask] for k in COLUMNS})
+
+    def split(self, parts: int) -> list[Plan]:
+        """At most `parts` plans of consecutive whole outputs, about equal in bytes written."""
+        if parts < 1:
+            raise InvalidArgumentError(f"a plan splits into at least 1 part, got {parts}")
+        per_output = np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes))
+        ends = np.cumsum(per_output)
+        goals = ends[-1] * np.arange(1, parts) / parts if len(ends) else []
+        cuts = np.unique(np.r_[0, np.searchsorted(ends, goals, side="right"), len(self.output_sizes)])
+        bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
+        return [replace(self.take(slice(a, b)), output_sizes=[s if i0 <= i < i1 else 0
+                                                               for i, s in enumerate(self.output_sizes)])
+                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]) if b > a]
+
+    def outputs_used(self) -> list[int]:
+        """The outputs this plan writes pieces into."""
+        return np.unique(self.output).tolist()
+
+    def describe(self, limit: int = 10) -> str:
+        """What would be read and written, for people (`--dry-run`)."""
+        read, written, used = int(self.nbytes.sum()), int(self.written.sum()), np.unique(self.input)
+        outputs = [i for i, size in enumerate(self.output_sizes) if size]  # files with no piece too
+        casts = ", ".join(f"{a} -> {b}" for a, b in self.casts[1:]) or "none"
+        lines = [f"read {read:,} bytes from {len(used)} of {len(self.input_names)} input files",
+                 f"write {sum(self.output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
+                 f"into {len(outputs)} files, in {len(self):,} pieces; casts: {casts}"]
+        by_output = np.bincount(self.output, minlength=len(self.output_sizes))
+        pairs = np.unique(self.output * len(self.input_names) + self.input)  # (output, input) pairs
+        inputs = np.bincount(pairs // max(len(self.input_names), 1), minlength=len(self.output_sizes))
+        shown = outputs if len(outputs) <= limit else outputs[:limit // 2] + outputs[-(limit // 2):]
+        for i in shown:
+            if len(outputs) > limit and i == outputs[-(limit // 2)]:
+                lines.append(f"  ... {len(outputs) - 2 * (limit // 2)} more files")
+            lines.append(f"  {self.outputs.plan(i).name}: {self.output_sizes[i]:,} bytes, "
+                         f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input files")
+        return "\n".join(lines)
+
+
+def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
+    """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
+    plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
+                         {"format": "pt"}, hash_table=False) for name, shard in zip(names, shards)]
+    return plan_outputs(manifest, FixedPlans(plans), dict(enumerate(plans)))
+
+
+def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans: dict[int, OutputPlan],
+                 chosen: dict[int, list[int]] | None = None) -> Plan:
+    """The pieces of output files already laid out (`plans`, by output index), or of their
+    `chosen` tensors only: what one task of an executor carries out."""
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    casts: list[tuple[str, str] | None] = [None]
+    rows = []
+    for i, p in plans.items():
+        for j in range(len(p.tensors)) if chosen is None else chosen[i]:
+            t = p.tensors[j]
+            cast = (t.source.dtype, t.dtype) if t.source.dtype != t.dtype else None
+            if cast not in casts:
+                casts.append(cast)
+            rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
+    sizes = [0] * outputs.count
+    for i, p in plans.items():
+        sizes[i] = p.size
+    return _plan(manifest, outputs, sizes, casts, *np.array(rows, dtype=np.int64).reshape(-1, 6).T)
+
+
+def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
+    """`tensors` of `manifest` as the rank files of a checkpoint at `world_size` (reshard)."""
+    outputs = RankFilePlans(list(tensors), world_size, checkpoint_id)
+    return plan_outputs(manifest, outputs, {rank: outputs.plan(rank) for rank in range(world_size)})
+
+
+def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None, include: list[str] | None = None,
+              exclude: list[str] | None = None, strip_prefix: list[str] | None = None,
+              max_shard_size: str | None = None, checkpoint_id: str = "0" * 32) -> Plan:
+    """The plan of a reshard (`output`: a world size; 'local' tensors kept only at the same one)
+    or of a consolidate (`output`: a file name ending .safetensors, or anything else: HF shards)."""
+    if isinstance(output, int):
+        keep = output == manifest.world_size
+        return plan_rank_files(manifest, [t for t in manifest.tensors.values() if keep or t.layout != "local"],
+                               output, checkpoint_id)
+    names, shards, _ = output_files(output, model_tensors(output, manifest, dtype, include, exclude, strip_prefix),
+                                    max_shard_size)
+    return plan_files(manifest, names, shards)
+
+
+def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[int],
+          casts: list[tuple[str, str] | None], out: np.ndarray, tid: np.ndarray, start: np.ndarray,
+          end: np.ndarray, begin: np.ndarray, cast: np.ndarray) -> Plan:
+    """Cut output tensors (rows: output, input tensor index, elements [start, end), output byte
+    offset, cast) at the input's rank boundaries: the pieces."""
+    tensors = list(manifest.tensors.values())
+    world = manifest.world_size
+    flat = np.array([t.layout == "flat" for t in tensors], dtype=bool)
+    holder = np.array([t.owner if t.layout == "local" else 0 for t in tensors], dtype=np.int64)
+    numel = np.array([t.numel for t in tensors], dtype=np.int64)
+    # flat tensors are cut at the input's rank boundaries; the others come whole from their
+    # holder (the rule at a world of one, shifted to the holder)
+    found = holders(numel[tid], np.where(flat[tid], world, 1), start, end)
+    row, t = found.row, tid[found.row]
+    rank = found.rank + np.where(flat[t], 0, holder[t])
+    fragment = _fragment_offsets(manifest, rank, t)
+    in_size = np.array([e.itemsize for e in tensors], dtype=np.int64)[t]
+    out_size = np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast[row]]
+    out_size = np.where(cast[row] > 0, out_size, in_size)
+    return Plan([f.name for f in manifest.files], [f.size for f in manifest.files], outputs, sizes,
+                [t.name for t in tensors], casts, input=rank,
+                input_offset=fragment + (found.lo - found.rank_start) * in_size, output=out[row],
+                output_offset=begin[row] + (found.lo - start[row]) * out_size, nbytes=(found.hi - found.lo) * in_size,
+                cast=cast[row], tensor=t, input_fragment=fragment)
+
+
+def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) -> np.ndarray:
+    """Where tensor[i]'s fragment starts in input file rank[i], as a zeroshard writer lays it out."""
+    layouts = layouts_of(manifest)  # shared with the executor's reader
+    needed = np.unique(rank)
+    data_at = np.zeros(manifest.world_size, dtype=np.int64)
+    data_at[needed] = [len(layouts.header(q)) for q in needed.tolist()]
+    runs = np.searchsorted(np.asarray(layouts.starts, dtype=np.int64), needed, side="right") - 1
+    table = np.full((len(layouts.starts), len(layouts.tensors)), -1, dtype=np.int64)  # run, tensor -> begin
+    for r in np.unique(runs).tolist():
+        run = layouts.run_of(layouts.starts[r])  # made on first use: only the runs needed
+        table[r, run.tensors] = run.begin
+    run_of = np.zeros(manifest.world_size, dtype=np.int64)
+    run_of[needed] = runs
+    begins = table[run_of[rank], tensor]
+    for i in np.flatnonzero(begins < 0).tolist():  # per-rank tensors: in their rank's own layout
+        layout = layouts.rank_layout(int(rank[i]))
+        begins[i] = layout.begin[layout.tensors.index(int(tensor[i]))]
+    return data_at[rank] + begins
