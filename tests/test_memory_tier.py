@@ -5,7 +5,6 @@ standing in for each node's tmpfs."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import uuid
@@ -82,7 +81,10 @@ def test_a_node_that_lost_its_folder_fetches_its_files_and_then_the_manifest():
     plan = fetch_plan(choice, nodes, [True, False])
     assert plan[-1][0] == "zeroshard.json" and [(n[5:10], src, dst) for n, _, src, dst in plan] == [
         ("00000", 0, 2), ("00002", 0, 2), ("00003", 0, 2), ("hard.", 0, 2)]  # rank 0's for the buffers
-    assert fetch_plan(Choice(c, {r: [0, 1] for r in range(4)}), nodes, [True, True]) == []
+    keeps = replica_targets([0, 0, 1, 1], 1)  # ... and node 1 keeps copies of ranks 0 and 1: fetched too
+    assert [n[5:10] for n, _, _, _ in fetch_plan(choice, nodes, [True, False], keeps)] == [
+        "00000", "00001", "00002", "00003", "hard."]
+    assert fetch_plan(Choice(c, {r: [0, 1] for r in range(4)}), nodes, [True, True], keeps) == []
 
 
 def _fill(folder: Path, tag: str, nbytes: int, manifest: bool = True) -> None:
@@ -124,3 +126,162 @@ def test_keep_last_counts_the_save_being_written_and_torn_folders_go_first(tmp_p
     with pytest.raises(CheckpointSaveError):
         check_fits(folder, "step-00000010", 2, 1501, cap=size + 1500, min_free_fraction=0.0)
     assert folder.doomed("step-00000006", keep_last=1)[0] == [f"step-{s:08d}" for s in (2, 4, 6, 8)]
+
+
+# ---- two nodes of gloo ranks (ZEROSHARD_HOST_ID per rank) --------------------------------------
+def _engine(seed: int = 0) -> Any:
+    torch.manual_seed(seed)  # a BatchNorm: buffers live in rank 0's file, which every rank reads
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                config={"zero_optimization": {"stage": 2}})
+
+
+def _step(engine: Any, step: int, rank: int) -> str:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step * 100 + rank))
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item().hex()
+
+
+def _as_node(rank: int, per_node: int) -> None:
+    os.environ["ZEROSHARD_HOST_ID"] = f"node{'AB'[rank // per_node]}"
+
+
+def train(rank: int, world: int, steps: int, per_node: int, mem: str | None = None, durable: str = "",
+          policy: dict | None = None) -> dict[int, str]:
+    """`steps` steps from scratch; with `mem`, Checkpointer.checkpoint() after each (policy)."""
+    _as_node(rank, per_node)
+    engine = _engine()
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem, **(policy or {}))) if mem else None
+    losses = {}
+    for step in range(steps):
+        losses[step] = _step(engine, step, rank)
+        if ckpt is not None:
+            ckpt.checkpoint(durable, client_state={"next": step + 1})
+    if ckpt is not None:
+        ckpt.wait()
+    return losses
+
+
+def resume(rank: int, world: int, steps: int, per_node: int, mem: str, durable: str) -> tuple[int, dict, str]:
+    """A restarted job: load from the best tier, train on to `steps` (saving nothing)."""
+    _as_node(rank, per_node)
+    engine = _engine(seed=5)
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem))
+    start = ckpt.load(durable)["next"]
+    return start, {step: _step(engine, step, rank) for step in range(start, steps)}, ckpt.last_recovery
+
+
+def _cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+HOST_ENV = {"ZEROSHARD_HOST_ID": "unset"}  # restored after each call
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tmp_path):
+    mem, durable = tmp_path / "shm", tmp_path / "durable"
+    reference = run_ranks(train, 4, timeout=300, env=HOST_ENV, steps=8, per_node=2)
+    policy = {"memory_every": 2, "durable_every": 4}
+    saved = run_ranks(train, 4, timeout=300, env=HOST_ENV, steps=6, per_node=2, mem=str(mem), durable=str(durable),
+                      policy=policy)
+    assert saved == [{s: v for s, v in losses.items() if s < 6} for losses in reference]  # saving changes nothing
+    a, b = mem / "nodeA", mem / "nodeB"
+    for node in (a, b):  # keep-last 2; every rank's file on both nodes (own + one replica)
+        assert sorted(p.name for p in node.iterdir()) == ["latest", "step-00000004", "step-00000006"]
+        assert len(list((node / "step-00000006").glob("rank-*.safetensors"))) == 4
+    assert _hashes(a) == _hashes(b)  # the same bytes, manifest included
+    # the toolkit reads a node's folder unchanged; the drained durable copy holds the same files
+    _cli("verify", str(a))
+    _cli("inspect", str(a))
+    _cli("reshard", "-q", str(a / "step-00000004"), "--to", "1", "-o", str(tmp_path / "one"))
+    _cli("consolidate", "-q", str(b), str(tmp_path / "full.safetensors"))
+    _cli("verify", str(durable))
+    assert (durable / "latest").read_text().strip() == "step-00000004"
+    assert _hashes(durable / "step-00000004") == _hashes(a / "step-00000004")
+    before = _hashes(durable)
+    # a save torn by a kill (rank files, no manifest) on both nodes is never chosen
+    for node in (a, b):
+        shutil.copytree(node / "step-00000006", node / "step-00000008")
+        (node / "step-00000008" / "zeroshard.json").unlink()
+    results = run_ranks(resume, 4, timeout=300, env=HOST_ENV, steps=8, per_node=2, mem=str(mem), durable=str(durable))
+    for rank, (start, losses, line) in enumerate(results):
+        assert start == 6 and losses == {s: v for s, v in reference[rank].items() if s >= 6}
+        assert "memory tier: step-00000006 (step 6), every file from its own node" in line, line
+        assert "step-00000008 torn (no manifest)" in line and len(line.splitlines()) == 1, line
+    # node B lost its memory folder: its ranks' files (and rank 0's, for the buffers) come from node A
+    shutil.rmtree(b)
+    results = run_ranks(resume, 4, timeout=300, env=HOST_ENV, steps=8, per_node=2, mem=str(mem), durable=str(durable))
+    for rank, (start, losses, line) in enumerate(results):
+        assert start == 6 and losses == {s: v for s, v in reference[rank].items() if s >= 6}
+        assert "memory tier: step-00000006 (step 6), 4 file(s) fetched from peer nodes" in line, line
+    _cli("verify", str(b / "step-00000006"))  # node B's folder is whole again
+    # both copies of node B's rank files lost: the durable tier, with the reason
+    shutil.rmtree(b)
+    for step in ("step-00000004", "step-00000006"):
+        for rank in (2, 3):
+            (a / step / f"rank-0000{rank}-of-00004.safetensors").unlink()
+    results = run_ranks(resume, 4, timeout=300, env=HOST_ENV, steps=8, per_node=2, mem=str(mem), durable=str(durable))
+    for rank, (start, losses, line) in enumerate(results):
+        assert start == 4 and losses == {s: v for s, v in reference[rank].items() if s >= 4}
+        assert f"durable tier: {durable} (step 4); memory tier skipped: step-00000006 has no verified copy of " \
+               f"the file(s) of rank(s) 2, 3" in line, line
+    assert _hashes(durable) == before  # nothing the memory tier did touched the durable root
+
+
+def refused(rank: int, world: int, mem: str, cap: int) -> str:
+    _as_node(rank, 1)
+    engine = _engine()
+    _step(engine, 0, rank)
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem, memory_cap_bytes=cap))
+    try:
+        ckpt.save_memory()
+    except CheckpointSaveError as exc:
+        return str(exc)
+    ckpt.wait()
+    return "saved"
+
+
+def test_a_memory_save_over_the_cap_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    errors = run_ranks(refused, 2, timeout=120, env=HOST_ENV, mem=str(tmp_path), cap=1000)
+    for error in errors:
+        assert "refused, nothing written" in error and len(error.splitlines()) == 1, error
+    assert "memory_cap_bytes" in errors[0] and "rank(s) 0, 1" in errors[1] or "memory_cap_bytes" in errors[1]
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+    assert run_ranks(refused, 2, timeout=120, env=HOST_ENV, mem=str(tmp_path), cap=1 << 30) == ["saved", "saved"]
+    assert len(list(tmp_path.glob("node*/step-00000001/rank-*.safetensors"))) == 4
+
+
+def on_dev_shm(rank: int, world: int, run_id: str) -> str:
+    _as_node(rank, 1)
+    os.environ["TORCHELASTIC_RUN_ID"] = run_id
+    try:
+        engine = _engine()
+        _step(engine, 0, rank)
+        ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy())
+        url = ckpt.save_memory()
+        ckpt.wait()
+        return url
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_the_default_memory_tier_is_on_dev_shm(tmp_path):
+    run_id = f"test-{uuid.uuid4().hex[:8]}"
+    root = Path(f"/dev/shm/zeroshard-{run_id}")
+    try:
+        urls = run_ranks(on_dev_shm, 2, timeout=120, env=HOST_ENV, run_id=run_id)
+        assert urls == [str(root / "nodeA" / "step-00000001"), str(root / "nodeB" / "step-00000001")]
+        _cli("verify", str(root / "nodeB"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -209,7 +209,7 @@ class Checkpointer:
                 raise ConfigError("load(None) needs a memory tier (Checkpointer(..., tiers=...))")
             return load(durable, storage_options)
         result, self.last_recovery = recover(self.engine.rank, self.engine.world_size, self.group, self.memory,
-                                             self._hosts, durable, storage_options, load)
+                                             self._hosts, self.tiers.replicas, durable, storage_options, load)
         return result
 
     def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:

@@ -7,9 +7,10 @@ a verified copy of its file of (from its own node, else a peer's), else the dura
     3. `choose` (the same answer on every rank): newest candidate first, skipped with a reason
        if saved at another world size, if some rank's file has no verified copy on any node
        (lost with its node, or torn), or if the durable root holds a newer step;
-    4. a node missing files it needs (its ranks' files, rank 0's for buffers) or the manifest
-       fetches them from a node that holds them (replicas.run_transfers), manifest last, so its
-       folder is whole again; then every rank loads from its own node's folder;
+    4. a node missing files it needs (its ranks' files, rank 0's for buffers, the replicas it
+       keeps) or the manifest fetches them from a node that holds them (replicas.run_transfers),
+       manifest last, so its folder is whole again and every file has its copies once more;
+       then every rank loads from its own node's folder;
     5. one log line (logger zeroshard.checkpointing.recovery, INFO) says which tier and step,
        and why the others were skipped. A failure of the memory path that all ranks agree on
        (a file that fails its hash as it is read) falls back to the durable root, said in that line.
@@ -29,7 +30,7 @@ import torch
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.memory_tier import MemoryFolder, file_hash
-from zeroshard.checkpointing.replicas import lead_of, node_map, run_transfers
+from zeroshard.checkpointing.replicas import lead_of, node_map, replica_targets, run_transfers
 from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
 from zeroshard.format.folder import update_latest
@@ -93,15 +94,19 @@ def choose(found: list[list[Candidate]], held: list[dict[str, list[int]]], world
     return Choice(None, {}, skipped)
 
 
-def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]) -> list[tuple[str, int, int, int]]:
+def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool],
+               keeps: dict[int, list[int]] | None = None) -> list[tuple[str, int, int, int]]:
     """Transfers (name, file rank, source rank, destination rank) that give every node the files
-    its ranks read (theirs, rank 0's for buffers) and the manifest, the manifest last."""
+    its ranks read (theirs, rank 0's for buffers), the replicas it keeps (`keeps`: file rank ->
+    ranks keeping a copy, replicas.replica_targets: so the job is protected again at once) and
+    the manifest, the manifest last."""
     c = choice.candidate
     assert c is not None
     names = {rank: name for rank, name, _, _ in c.files}
     plan, manifests = [], []
     for n, ranks in enumerate(nodes):
         needed = set(ranks) | ({0} if c.buffers else set())
+        needed |= {r for r, dsts in (keeps or {}).items() if set(dsts) & set(ranks)}
         for r in sorted(needed):
             if n not in choice.holders[r]:
                 src = nodes[sorted(choice.holders[r], key=lambda m: (r not in nodes[m], m))[0]][0]
@@ -112,8 +117,9 @@ def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]
     return plan + manifests
 
 
-def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts: list[str], durable: str | None,
-            storage_options: dict | None, load: Callable[[str, dict | None], Any]) -> tuple[Any, str]:
+def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts: list[str], replicas: int,
+            durable: str | None, storage_options: dict | None,
+            load: Callable[[str, dict | None], Any]) -> tuple[Any, str]:
     """Load from the best tier with `load(path, storage_options)` (collective); returns its result
     and the log line."""
     lead = lead_of(hosts, rank) == rank
@@ -144,7 +150,7 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     c = choice.candidate
     if c is not None:
         try:
-            fetched = _fetch(c, choice, nodes, found, rank, folder, group)
+            fetched = _fetch(c, choice, nodes, found, rank, folder, replica_targets(hosts, replicas), group)
             result = load(folder.tag_folder(c.tag).url, None)
             where = f"{fetched} file(s) fetched from peer nodes" if fetched else "every file from its own node"
             return result, _say(rank, f"recovered from the memory tier: {c.tag} (step {c.step}), {where}; "
@@ -163,10 +169,10 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
 
 
 def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[list[Candidate]], rank: int,
-           folder: MemoryFolder, group: Any) -> int:
+           folder: MemoryFolder, keeps: dict[int, list[int]], group: Any) -> int:
     """Step 4 for this rank; returns how many files the job fetched in all."""
     have_manifest = [any(x.id == c.id for x in node) for node in found]
-    plan = fetch_plan(choice, nodes, have_manifest)
+    plan = fetch_plan(choice, nodes, have_manifest, keeps)
     target = folder.tag_folder(c.tag)
     error = None
     try:
