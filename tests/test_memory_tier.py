@@ -5,8 +5,14 @@ standing in for each node's tmpfs."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, w
 from zeroshard.format.writer import TensorSpec
 from zeroshard.storage import Location
 
-from distributed import run_ranks
+from distributed import free_port, run_ranks
 
 
 # ---- without launches ---------------------------------------------------------------------------
@@ -184,6 +190,7 @@ def _hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+ROOT = Path(__file__).resolve().parents[1]
 HOST_ENV = {"ZEROSHARD_HOST_ID": "unset"}  # restored after each call
 
 
@@ -285,3 +292,121 @@ def test_the_default_memory_tier_is_on_dev_shm(tmp_path):
         _cli("verify", str(root / "nodeB"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- a node killed in the middle of a memory save (torchrun agents, c10d rendezvous) ---------------
+KILLED_TRAIN = textwrap.dedent('''
+    import json, os, sys, time
+    import torch
+    import zeroshard
+    from zeroshard.checkpointing import TierPolicy
+
+    mem, out, steps, slow_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  config={"zero_optimization": {"stage": 1}})
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem, memory_every=2, durable_every=0))
+    start = 0
+    if os.path.isdir(mem):
+        start = ckpt.load(None)["next_step"]
+        with open(os.path.join(out, f"recovery-rank{rank}"), "w") as f:
+            f.write(ckpt.last_recovery)
+    with open(os.path.join(out, f"host-rank{rank}"), "w") as f:
+        f.write(f"{os.environ['ZEROSHARD_HOST_ID']} {os.getpid()}")
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x[rank::world]), y[rank::world])
+        engine.backward(loss)
+        engine.step()
+        with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps([step, loss.item().hex()]) + "\\n")
+        if step + 1 == slow_at:  # tmpfs turned slow: the memory save is in flight when the node dies
+            real = os.fsync
+            os.fsync = lambda fd: (time.sleep(3.0), real(fd))[1]
+        ckpt.checkpoint("", client_state={"next_step": step + 1})
+        if step + 1 == slow_at:
+            open(os.path.join(out, f"saving-rank{rank}"), "w").close()
+    ckpt.wait()
+    sys.stdout.flush()
+    os._exit(0)  # no gloo teardown races at exit: everything is written
+''')
+
+
+def _launch(tmp: Path, name: str, args: list[str]) -> tuple[Path, list[subprocess.Popen]]:
+    out = tmp / name
+    out.mkdir()
+    script = tmp / "train.py"
+    script.write_text(KILLED_TRAIN)
+    port = free_port()
+    agents = []
+    for host in ("nodeA", "nodeB"):  # the first agent hosts the rendezvous store
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mem-{name}",
+               "--max-restarts", "0", str(script), args[0], str(out), *args[1:]]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROSHARD_HOST_ID": host}
+        agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True))
+        time.sleep(1.0)
+    return out, agents
+
+
+def _finish(agents: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    results = []
+    deadline = time.monotonic() + timeout
+    for a in agents:
+        try:
+            results.append((a.wait(timeout=max(1.0, deadline - time.monotonic())), a.stdout.read()))
+        except subprocess.TimeoutExpired:
+            for b in agents:
+                _kill_node(b, [])
+            raise
+    return results
+
+
+def _kill_node(agent: subprocess.Popen, worker_pids: list[int]) -> None:
+    """SIGKILL a node: its agent's process group and its workers' (each in a session of its own)."""
+    for pgid in [agent.pid, *worker_pids]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _losses(out: Path) -> dict[int, dict[int, str]]:
+    return {int(p.stem[4:]): dict(map(json.loads, p.read_text().splitlines())) for p in out.glob("rank*.jsonl")}
+
+
+@pytest.mark.timeout(600)
+def test_a_memory_save_torn_by_a_killed_node_is_never_chosen(tmp_path):
+    ref_out, agents = _launch(tmp_path, "reference", [str(tmp_path / "ref-shm"), "6", "0"])
+    results = _finish(agents, 240)
+    assert all(rc == 0 for rc, _ in results), "\n".join(t[-3000:] for _, t in results)
+    reference = _losses(ref_out)
+    mem = tmp_path / "shm"
+    out, agents = _launch(tmp_path, "killed", [str(mem), "6", "4"])
+    deadline = time.monotonic() + 180
+    while len(list(out.glob("saving-rank*"))) < 2:
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
+            "\n".join(t[-3000:] for _, t in _finish(agents, 5))
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the slowed write of step 4's files
+    pids = {host: int(pid) for host, pid in (p.read_text().split() for p in out.glob("host-rank*"))}
+    _kill_node(agents[1], [pids["nodeB"]])
+    agents[1].wait()
+    (rc, text), = _finish(agents[:1], 120)
+    assert rc != 0, text[-3000:]
+    for node in ("nodeA", "nodeB"):  # torn on both: no manifest anywhere
+        assert not (mem / node / "step-00000004" / "zeroshard.json").exists()
+    assert (mem / "nodeA" / "latest").read_text().strip() == "step-00000002"
+    out, agents = _launch(tmp_path, "restarted", [str(mem), "6", "0"])
+    results = _finish(agents, 240)
+    assert all(rc == 0 for rc, _ in results), "\n".join(t[-3000:] for _, t in results)
+    for rank in (0, 1):
+        line = (out / f"recovery-rank{rank}").read_text()
+        assert "memory tier: step-00000002 (step 2), every file from its own node" in line, line
+        assert "step-00000004 torn (no manifest)" in line, line
+    assert _losses(out) == {r: {s: v for s, v in steps.items() if s >= 2} for r, steps in reference.items()}
+    _cli("verify", str(mem / "nodeB"))
