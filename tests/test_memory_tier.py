@@ -245,6 +245,26 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
     assert _hashes(durable) == before  # nothing the memory tier did touched the durable root
 
 
+def test_a_memory_file_that_fails_its_hashes_as_it_is_read_falls_back_to_durable(tmp_path):
+    mem, durable = tmp_path / "shm", tmp_path / "durable"
+    policy = {"memory_every": 2, "durable_every": 2, "memory_keep_last": 1}
+    saved = run_ranks(train, 2, timeout=300, env=HOST_ENV, steps=4, per_node=1, mem=str(mem), durable=str(durable),
+                      policy=policy)
+    for node in ("nodeA", "nodeB"):  # one bit flipped, size unchanged: chosen, then caught as it is read
+        path = mem / node / "step-00000004" / "rank-00000-of-00002.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 1
+        path.write_bytes(bytes(data))
+    results = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=6, per_node=1, mem=str(mem), durable=str(durable))
+    for rank, (start, losses, line) in enumerate(results):
+        assert start == 4 and sorted(losses) == [4, 5], line
+        assert f"durable tier: {durable} (step 4); memory tier skipped: step-00000004 failed: " in line, line
+        assert "hash" in line and len(line.splitlines()) == 1, line
+    again = run_ranks(train, 2, timeout=300, env=HOST_ENV, steps=6, per_node=1)
+    assert [{s: v for s, v in r.items() if s >= 4} for r in again] == [r[1] for r in results]
+    assert [{s: v for s, v in r.items() if s < 4} for r in again] == saved
+
+
 def refused(rank: int, world: int, mem: str, cap: int) -> str:
     _as_node(rank, 1)
     engine = _engine()

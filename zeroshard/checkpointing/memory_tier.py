@@ -96,14 +96,16 @@ class MemoryFolder:
         folder.remove(MANIFEST_NAME)
         self.location.remove(tag, recursive=True)
 
-    def verified_ranks(self, tag: str, files: Sequence[tuple[int, str, int, str]]) -> list[int]:
-        """The ranks whose file (rank, name, size, hash) is in `tag` with that size and hash."""
+    def verified_ranks(self, tag: str, files: Sequence[tuple[int, str, int, str]], hashes: bool = False) -> list[int]:
+        """The ranks whose file (rank, name, size, hash) is in `tag` with that size (and, with
+        `hashes`, that whole-file hash: off for recovery, whose reads check every fragment's hash
+        anyway, a failure falling back to the durable tier)."""
         held = []
         for rank, name, size, digest in files:
             path = os.path.join(self.path, tag, name)
             try:
                 if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == size \
-                        and file_hash(path) == digest:
+                        and (not hashes or file_hash(path) == digest):
                     held.append(rank)
             except OSError:
                 continue  # vanished or unreadable: not held

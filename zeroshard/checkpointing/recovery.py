@@ -3,7 +3,9 @@ a verified copy of its file of (from its own node, else a peer's), else the dura
 
     1. each node's lead lists its committed memory checkpoints (and torn ones); rank 0 reads the
        durable root's newest step; one all-gather;
-    2. each lead hashes the files its folder holds for every candidate; one all-gather;
+    2. each lead lists the files its folder holds for every candidate (present, of the size the
+       manifest gives); one all-gather. Hashes are checked as the files are read (every fragment)
+       and, for a copy fetched from a peer, whole on arrival;
     3. `choose` (the same answer on every rank): newest candidate first, skipped with a reason
        if saved at another world size, if some rank's file has no verified copy on any node
        (lost with its node, or torn), or if the durable root holds a newer step;
