@@ -32,7 +32,7 @@ from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_safe_file_name, rank_file_name
 from zeroshard.format.writer import TensorSpec, rank_file_layout, rank_metadata
 from zeroshard.storage import Location
-from zeroshard.storage.hashing import new_hasher
+from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.safetensors_header import build_header
 
 HASH_CHUNK = 16 << 20
@@ -204,12 +204,11 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
         return torch.from_numpy(np.fromfile(os.path.join(target.path, name), dtype=np.uint8))
 
     def received(name: str, data: torch.Tensor, rank: int) -> None:
-        entry = results[rank].file
-        with target.atomic_writer(name) as out:
-            out.write(memoryview(data.numpy()))
-        if file_hash(os.path.join(target.path, name)) != entry.hash:  # checked as it landed
-            target.remove(name)
+        view = memoryview(data.numpy())
+        if hash_bytes(view) != results[rank].file.hash:  # checked before it lands: never a bad copy
             raise StorageError(target.url_of(name), "replica's hash differs from the one its rank wrote")
+        with target.atomic_writer(name) as out:
+            out.write(view)
 
     plan = [(rank_file_name(r, job.world_size), r, r, d)
             for r, dsts in sorted(replica_targets(hosts, replicas).items()) for d in dsts]

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from zeroshard.agree import agree
-from zeroshard.checkpointing.memory_tier import MemoryFolder, file_hash
+from zeroshard.checkpointing.memory_tier import MemoryFolder
 from zeroshard.checkpointing.replicas import lead_of, node_map, replica_targets, run_transfers
 from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
 from zeroshard.format.folder import update_latest
 from zeroshard.format.manifest import MANIFEST_NAME
+from zeroshard.storage.hashing import hash_bytes
 
 log = logging.getLogger(__name__)
 ACTION = "recovery from the memory tier"
@@ -190,12 +191,11 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
         return torch.from_numpy(np.fromfile(os.path.join(target.path, name), dtype=np.uint8))
 
     def received(name: str, data: torch.Tensor, file_rank: int) -> None:
+        view = memoryview(data.numpy())
+        if name != MANIFEST_NAME and (sizes[name][0] != data.numel() or hash_bytes(view) != sizes[name][1]):
+            raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")  # never written
         with target.atomic_writer(name) as out:
-            out.write(memoryview(data.numpy()))
-        if name != MANIFEST_NAME and (sizes[name][0] != data.numel()
-                                      or file_hash(os.path.join(target.path, name)) != sizes[name][1]):
-            target.remove(name)
-            raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")
+            out.write(view)
         if name == MANIFEST_NAME:
             update_latest(folder.location, c.tag)
 
