@@ -21,10 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
-from zeroshard.checkpointing.replicas import lead_of, replica_targets, run_transfers
+from zeroshard.checkpointing.replicas import lead_of, map_file, replica_targets, run_transfers
 from zeroshard.checkpointing.save import SaveJob, agree_on_save
 from zeroshard.errors import CheckpointError, CheckpointSaveError, StorageError
 from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, update_latest, write_rank_file
@@ -201,7 +200,7 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
     fields, extra, client_state = everyone[0][1]
 
     def read(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.fromfile(os.path.join(target.path, name), dtype=np.uint8))
+        return map_file(os.path.join(target.path, name))
 
     def received(name: str, data: torch.Tensor, rank: int) -> None:
         view = memoryview(data.numpy())

@@ -27,12 +27,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.memory_tier import MemoryFolder
-from zeroshard.checkpointing.replicas import lead_of, node_map, replica_targets, run_transfers
+from zeroshard.checkpointing.replicas import lead_of, map_file, node_map, replica_targets, run_transfers
 from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
 from zeroshard.format.folder import update_latest
@@ -188,7 +187,7 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
     sizes = {name: (size, digest) for _, name, size, digest in c.files}
 
     def read(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.fromfile(os.path.join(target.path, name), dtype=np.uint8))
+        return map_file(os.path.join(target.path, name))
 
     def received(name: str, data: torch.Tensor, file_rank: int) -> None:
         view = memoryview(data.numpy())
