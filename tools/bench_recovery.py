@@ -117,25 +117,29 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         times["steps during R=1 save"].append(timed(steps))
         one.wait()
 
-    def loads() -> None:
+    def load_local() -> None:
         times["load local memory"].append(timed(lambda: one.load(None)))
         assert "every file from its own node" in one.last_recovery, one.last_recovery
+
+    def load_peer() -> None:  # node B's folder wiped; the load fetches it back whole
         dist.barrier()
         if rank == 1:
             shutil.rmtree(one.memory.path)
         times["load from peer"].append(timed(lambda: one.load(None)))
         assert "fetched from peer nodes" in one.last_recovery, one.last_recovery
+
+    def load_disk() -> None:
         times["load local disk"].append(timed(lambda: plain.load(str(disk / "ckpt" / "t"))))
 
     saves = [durable_save, memory_r1, memory_r0, plain_steps, steps_during]
+    loads = [load_local, load_peer, load_disk]
     times: dict[str, list[float]] = {op: [] for op in OPS}
     for rep in range(args.warmup + args.repeats):
         if rep == args.warmup:
             times = {op: [] for op in OPS}  # warm-up reps touch memory and fill caches: not counted
-        k = rep % len(saves)
-        for fn in saves[k:] + saves[:k]:
+        k, j = rep % len(saves), rep % len(loads)
+        for fn in saves[k:] + saves[:k] + loads[j:] + loads[:j]:
             fn()
-        loads()
     nbytes = sum(f.stat().st_size for f in (disk / "ckpt" / "t").glob("rank-*"))
     if rank == 0:
         Path(out).write_text(json.dumps({"params": n_params, "bytes": nbytes, "times": times}))

@@ -54,6 +54,7 @@ class MemoryFolder:
             raise CheckpointSaveError(f"{root}: node name {node!r} cannot name a folder (set ZEROSHARD_HOST_ID)")
         self.path = os.path.join(root, node)
         self.location = Location(self.path)
+        self._parsed: dict[tuple, Manifest] = {}
 
     def tag_folder(self, tag: str) -> Location:
         return self.location.child(tag)
@@ -72,13 +73,22 @@ class MemoryFolder:
                 torn.append(name)
                 continue
             try:
-                manifest = load_manifest(self.location.child(name))
-            except CheckpointError as exc:
+                manifest = self._manifest(name, os.stat(os.path.join(folder, MANIFEST_NAME)))
+            except (CheckpointError, OSError) as exc:
                 problems.append(str(exc))
                 continue
             committed.append(Committed(name, manifest, _folder_bytes(folder)))
         committed.sort(key=lambda c: (c.manifest.step or 0, c.tag))
         return committed, torn, problems
+
+    def _manifest(self, tag: str, stat: os.stat_result) -> Manifest:
+        """A manifest parsed once per version of its file: every save scans the folder, and
+        parsing a large model's manifest again each time would add to what training waits for."""
+        key = (tag, stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if key not in self._parsed:
+            self._parsed = {k: v for k, v in self._parsed.items() if k[0] != tag}
+            self._parsed[key] = load_manifest(self.location.child(tag))
+        return self._parsed[key]
 
     def doomed(self, tag: str, keep_last: int) -> tuple[list[str], list[Committed]]:
         """(folders a save of `tag` removes first, committed checkpoints it keeps)."""
