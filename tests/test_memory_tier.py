@@ -176,7 +176,9 @@ def resume(rank: int, world: int, steps: int, per_node: int, mem: str, durable: 
     engine = _engine(seed=5)
     ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem))
     start = ckpt.load(durable)["next"]
-    return start, {step: _step(engine, step, rank) for step in range(start, steps)}, ckpt.last_recovery
+    losses = {step: _step(engine, step, rank) for step in range(start, steps)}  # replicas restored meanwhile
+    ckpt.wait()
+    return start, losses, ckpt.last_recovery
 
 
 def _cli(*args: str) -> str:
@@ -231,7 +233,7 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
     for rank, (start, losses, line) in enumerate(results):
         assert start == 6 and losses == {s: v for s, v in reference[rank].items() if s >= 6}
         assert "memory tier: step-00000006 (step 6), 4 file(s) fetched from peer nodes" in line, line
-    _cli("verify", str(b / "step-00000006"))  # node B's folder is whole again
+    _cli("verify", str(b / "step-00000006"))  # node B's folder is whole again (replicas in the background)
     # both copies of node B's rank files lost: the durable tier, with the reason
     shutil.rmtree(b)
     for step in ("step-00000004", "step-00000006"):

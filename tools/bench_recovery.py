@@ -16,7 +16,10 @@ after a barrier; the table gives the median over the reps and [min, max]:
   steps                 --steps training steps, nothing saving
   steps during R=1 save the same steps right after save_memory() returned (replica in flight)
   load local memory     Checkpointer.load() with tiers: every rank reads its own node's copy
-  load from peer        node B's memory folder wiped first: its files come from node A over gloo
+  load from peer        node B's memory folder wiped first: the files its rank reads (its own, rank 0's
+                        for buffers) come from node A over gloo, then the load
+  then its replicas back  the rest of node B's folder (the replicas it keeps), on the background
+                        thread after the load (timed here by wait(); training could run meanwhile)
   load local disk       Checkpointer.load(disk checkpoint) (a warm page cache: the file was just written)
 
 Then the ratios the issue asks about. Losses are not compared here (tests/test_memory_tier.py
@@ -39,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 OPS = ["durable sync save", "memory save blocks", "memory commit R=1", "memory commit R=0", "steps",
-       "steps during R=1 save", "load local memory", "load from peer", "load local disk"]
+       "steps during R=1 save", "load local memory", "load from peer", "then its replicas back",
+       "load local disk"]
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -127,6 +131,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             shutil.rmtree(one.memory.path)
         times["load from peer"].append(timed(lambda: one.load(None)))
         assert "fetched from peer nodes" in one.last_recovery, one.last_recovery
+        times["then its replicas back"].append(timed(one.wait))  # in the background: training could go on
 
     def load_disk() -> None:
         times["load local disk"].append(timed(lambda: plain.load(str(disk / "ckpt" / "t"))))

@@ -208,8 +208,12 @@ class Checkpointer:
             if durable is None:
                 raise ConfigError("load(None) needs a memory tier (Checkpointer(..., tiers=...))")
             return load(durable, storage_options)
-        result, self.last_recovery = recover(self.engine.rank, self.engine.world_size, self.group, self.memory,
-                                             self._hosts, self.tiers.replicas, durable, storage_options, load)
+        result, self.last_recovery, heal = recover(self.engine.rank, self.engine.world_size, self.group,
+                                                   self.memory, self._hosts, self.tiers.replicas, durable,
+                                                   storage_options, load)
+        if heal is not None:  # the replicas a wiped node keeps come back while training goes on
+            self._thread = threading.Thread(target=self._run_in_background, args=(heal,), name="zeroshard-heal")
+            self._thread.start()
         return result
 
     def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:

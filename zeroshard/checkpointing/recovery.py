@@ -10,9 +10,10 @@ a verified copy of its file of (from its own node, else a peer's), else the dura
        if saved at another world size, if some rank's file has no verified copy on any node
        (lost with its node, or torn), or if the durable root holds a newer step;
     4. a node missing files it needs (its ranks' files, rank 0's for buffers, the replicas it
-       keeps) or the manifest fetches them from a node that holds them (replicas.run_transfers),
-       manifest last, so its folder is whole again and every file has its copies once more;
-       then every rank loads from its own node's folder;
+       keeps) or the manifest fetches them from a node that holds them (replicas.run_transfers):
+       what the load reads and the manifest (last) first; then every rank loads from its own
+       node's folder; then, on the Checkpointer's background thread while training goes on, the
+       replicas the node keeps, so every file has its copies once more;
     5. one log line (logger zeroshard.checkpointing.recovery, INFO) says which tier and step,
        and why the others were skipped. A failure of the memory path that all ranks agree on
        (a file that fails its hash as it is read) falls back to the durable root, said in that line.
@@ -121,9 +122,9 @@ def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]
 
 def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts: list[str], replicas: int,
             durable: str | None, storage_options: dict | None,
-            load: Callable[[str, dict | None], Any]) -> tuple[Any, str]:
-    """Load from the best tier with `load(path, storage_options)` (collective); returns its result
-    and the log line."""
+            load: Callable[[str, dict | None], Any]) -> tuple[Any, str, Callable[[], None] | None]:
+    """Load from the best tier with `load(path, storage_options)` (collective); returns its result,
+    the log line, and what is left to restore the replicas (for the caller's background thread)."""
     lead = lead_of(hosts, rank) == rank
     nodes = node_map(hosts)
     error = None
@@ -152,11 +153,11 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     c = choice.candidate
     if c is not None:
         try:
-            fetched = _fetch(c, choice, nodes, found, rank, folder, replica_targets(hosts, replicas), group)
+            fetched, heal = _fetch(c, choice, nodes, found, rank, folder, replica_targets(hosts, replicas), group)
             result = load(folder.tag_folder(c.tag).url, None)
             where = f"{fetched} file(s) fetched from peer nodes" if fetched else "every file from its own node"
             return result, _say(rank, f"recovered from the memory tier: {c.tag} (step {c.step}), {where}; "
-                                      f"skipped: {skipped}")
+                                      f"skipped: {skipped}"), heal
         except PeerLostError:
             raise
         except ZeroshardError as exc:
@@ -167,14 +168,17 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
         raise StorageError(folder.path, f"no memory checkpoint to recover from ({skipped}) and no durable path given")
     result = load(durable, storage_options)
     return result, _say(rank, f"recovered from the durable tier: {durable} (step {durable_step}); "
-                              f"memory tier skipped: {skipped}")
+                              f"memory tier skipped: {skipped}"), None
 
 
 def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[list[Candidate]], rank: int,
-           folder: MemoryFolder, keeps: dict[int, list[int]], group: Any) -> int:
-    """Step 4 for this rank; returns how many files the job fetched in all."""
+           folder: MemoryFolder, keeps: dict[int, list[int]], group: Any) -> tuple[int, Callable[[], None] | None]:
+    """Step 4 for this rank: the files the load reads, and the manifest, now; returns how many
+    files the job fetched, and the rest (the replicas a node keeps) as a callable to run in the
+    background once the load is done (None, on every rank alike, when there is nothing left)."""
     have_manifest = [any(x.id == c.id for x in node) for node in found]
-    plan = fetch_plan(choice, nodes, have_manifest, keeps)
+    plan = fetch_plan(choice, nodes, have_manifest)
+    rest = [t for t in fetch_plan(choice, nodes, have_manifest, keeps) if t not in plan]
     target = folder.tag_folder(c.tag)
     error = None
     try:
@@ -200,7 +204,10 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
 
     error = error or run_transfers(plan, rank, read, received, group)
     agree(error, group, action=ACTION)
-    return sum(1 for name, _, _, _ in plan if name != MANIFEST_NAME)
+
+    def heal() -> None:
+        agree(run_transfers(rest, rank, read, received, group), group, action="restoring the memory tier's replicas")
+    return sum(1 for t in plan + rest if t[0] != MANIFEST_NAME), heal if rest else None
 
 
 def _durable_step(path: str, storage_options: dict | None) -> int | None:
