@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zeroshard.checkpointing.replicas import lead_of, map_file, replica_targets, run_transfers
+from zeroshard.checkpointing.replicas import Landing, lead_of, map_file, replica_targets, run_transfers
 from zeroshard.checkpointing.save import SaveJob, agree_on_save
 from zeroshard.errors import CheckpointError, CheckpointSaveError, StorageError
 from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, update_latest, write_rank_file
@@ -213,15 +213,15 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
         return map_file(os.path.join(target.path, name))
 
     def received(name: str, data: torch.Tensor, rank: int) -> None:
-        view = memoryview(data.numpy())
-        if hash_bytes(view) != results[rank].file.hash:  # checked before it lands: never a bad copy
+        if hash_bytes(memoryview(data.numpy())) != results[rank].file.hash:  # checked before it lands
+            landing.drop(name)
             raise StorageError(target.url_of(name), "replica's hash differs from the one its rank wrote")
-        with target.atomic_writer(name) as out:
-            out.write(view)
+        landing.keep(name)
 
     plan = [(rank_file_name(r, job.world_size), r, r, d)
             for r, dsts in sorted(replica_targets(hosts, replicas).items()) for d in dsts]
-    error = run_transfers(plan, job.rank, read, received, group)
+    landing = Landing(target.path)
+    error = run_transfers(plan, job.rank, read, received, group, landing.allocate)
     agree_on_save(error, group, None)
     fields["extra"] = {**fields.get("extra", {}), **extra}
     manifest = build_manifest(specs, job.world_size, results, job.checkpoint_id, tag=job.tag,

@@ -32,7 +32,7 @@ import torch
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.memory_tier import MemoryFolder
-from zeroshard.checkpointing.replicas import lead_of, map_file, node_map, replica_targets, run_transfers
+from zeroshard.checkpointing.replicas import Landing, lead_of, map_file, node_map, replica_targets, run_transfers
 from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
 from zeroshard.format.folder import update_latest
@@ -194,19 +194,21 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
         return map_file(os.path.join(target.path, name))
 
     def received(name: str, data: torch.Tensor, file_rank: int) -> None:
-        view = memoryview(data.numpy())
-        if name != MANIFEST_NAME and (sizes[name][0] != data.numel() or hash_bytes(view) != sizes[name][1]):
-            raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")  # never written
-        with target.atomic_writer(name) as out:
-            out.write(view)
+        if name != MANIFEST_NAME and (sizes[name][0] != data.numel()
+                                      or hash_bytes(memoryview(data.numpy())) != sizes[name][1]):
+            landing.drop(name)
+            raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")  # never in place
+        landing.keep(name)
         if name == MANIFEST_NAME:
             update_latest(folder.location, c.tag)
 
-    error = error or run_transfers(plan, rank, read, received, group)
+    landing = Landing(target.path)
+    error = error or run_transfers(plan, rank, read, received, group, landing.allocate)
     agree(error, group, action=ACTION)
 
     def heal() -> None:
-        agree(run_transfers(rest, rank, read, received, group), group, action="restoring the memory tier's replicas")
+        agree(run_transfers(rest, rank, read, received, group, landing.allocate), group,
+              action="restoring the memory tier's replicas")
     return sum(1 for t in plan + rest if t[0] != MANIFEST_NAME), heal if rest else None
 
 
