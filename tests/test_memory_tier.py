@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -175,7 +176,17 @@ def resume(rank: int, world: int, steps: int, per_node: int, mem: str, durable: 
     _as_node(rank, per_node)
     engine = _engine(seed=5)
     ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem))
-    start = ckpt.load(durable)["next"]
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("zeroshard.checkpointing.recovery")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        start = ckpt.load(durable)["next"]
+    finally:
+        logger.removeHandler(handler)
+    assert logged == ([ckpt.last_recovery] if rank == 0 else []), logged  # one line, from rank 0
     losses = {step: _step(engine, step, rank) for step in range(start, steps)}  # replicas restored meanwhile
     ckpt.wait()
     return start, losses, ckpt.last_recovery
@@ -265,6 +276,18 @@ def test_a_memory_file_that_fails_its_hashes_as_it_is_read_falls_back_to_durable
     again = run_ranks(train, 2, timeout=300, env=HOST_ENV, steps=6, per_node=1)
     assert [{s: v for s, v in r.items() if s >= 4} for r in again] == [r[1] for r in results]
     assert [{s: v for s, v in r.items() if s < 4} for r in again] == saved
+
+
+def test_without_drain_the_durable_save_comes_from_the_engine_on_its_own_steps(tmp_path):
+    mem, durable = tmp_path / "shm", tmp_path / "durable"
+    policy = {"memory_every": 2, "durable_every": 3, "drain": False}
+    run_ranks(train, 2, timeout=300, env=HOST_ENV, steps=4, per_node=1, mem=str(mem), durable=str(durable),
+              policy=policy)
+    assert sorted(p.name for p in durable.iterdir()) == ["latest", "step-00000003"]
+    assert sorted(p.name for p in (mem / "nodeB").iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    _cli("verify", str(durable))
+    results = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=5, per_node=1, mem=str(mem), durable=str(durable))
+    assert all(start == 4 and "memory tier: step-00000004" in line for start, _, line in results), results
 
 
 def refused(rank: int, world: int, mem: str, cap: int) -> str:
