@@ -15,23 +15,31 @@ files is contents.py (save) and load.py. Creating one is collective: every rank,
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+import torch
 import torch.distributed as dist
 
+from zeroshard.agree import gather_all
 from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
+from zeroshard.checkpointing.memory_tier import MemoryFolder, check_fits, node_bytes, write_memory_checkpoint
 from zeroshard.checkpointing.model_config import model_config_of
+from zeroshard.checkpointing.recovery import recover
 from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
+from zeroshard.checkpointing.tiers import TierPolicy
 from zeroshard.errors import ConfigError
+from zeroshard.format import CheckpointReader
 from zeroshard.format.manifest import is_safe_file_name
+from zeroshard.peers import host_name
 from zeroshard.storage import Location
 
 if TYPE_CHECKING:
@@ -45,10 +53,16 @@ class Checkpointer:
     "lr_scheduler" for a torch LR scheduler (see stateful.py).
     """
 
-    def __init__(self, engine: "ZeroEngine", *stateful: Any, timeout_s: float = 1800.0, **named: Any) -> None:
+    def __init__(self, engine: "ZeroEngine", *stateful: Any, timeout_s: float = 1800.0,
+                 tiers: TierPolicy | None = None, **named: Any) -> None:
         self.engine = engine
         self.stateful = name_stateful(stateful, named)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.tiers = tiers
+        self.last_recovery = ""  # the log line of the last load with tiers: which tier and step, and why
+        if tiers is not None:  # the memory tier (tiers.py): this node's folder, and every rank's node
+            self._hosts = [str(h) for h in gather_all(host_name(), self.group, action="setting up the memory tier")]
+            self.memory = MemoryFolder(tiers.root(), host_name())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._eager, self._lazy = Snapshot(), Snapshot()  # async-save copies, reused from save to save
@@ -75,6 +89,21 @@ class Checkpointer:
         if keep_last is not None and keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
         root = Location(path, storage_options)
+        job, background = self._prepare(root, tag, objects, client_state, keep_last, async_save)
+        if not async_save:
+            write_and_commit(job, self.group)
+        else:
+            self._background = background
+            self._thread = threading.Thread(target=self._run_in_background,
+                                            args=(write_and_commit, job, self.group), name="zeroshard-save")
+            self._thread.start()
+        return root.url_of(job.tag)
+
+    def _prepare(self, root: Location, tag: str, objects: dict[str, Any], client_state: Any,
+                 keep_last: int | None, async_save: bool) -> tuple[SaveJob, BackgroundSave | None]:
+        """What every save does on the training thread: gather the contents (and, async, take the
+        snapshot), then one exchange of the outcome, the checkpoint id and the rank-state sizes."""
+        engine = self.engine
         error = contents = background = None
         rank_state = b""
         manifest_extra: dict[str, Any] = {}
@@ -100,26 +129,97 @@ class Checkpointer:
         job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents,
                       background.fill if background is not None else contents.fill, manifest_extra,
                       client_state if engine.rank == 0 else None, keep_last)
-        if not async_save:
-            write_and_commit(job, self.group)
-        else:
-            self._background = background
-            self._thread = threading.Thread(target=self._run_in_background, args=(job,), name="zeroshard-save")
-            self._thread.start()
-        return root.url_of(tag)
+        return job, background
 
-    def load(self, path: str, *, strict: bool = True, load_optimizer_states: bool = True,
+    def save_memory(self, tag: str | None = None, client_state: dict | None = None, *, durable: str | None = None,
+                    storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None) -> str:
+        """Save to the memory tier (this node's tmpfs folder and `tiers.replicas` peer nodes) in the
+        background, after the copy-on-write snapshot; with `durable`, then copy the same checkpoint
+        from tmpfs to that root (committed there manifest-last). A save that would not fit is
+        refused on every rank before anything is written. Returns this node's checkpoint folder."""
+        tiers = self._tiers()
+        self.wait()
+        engine = self.engine
+        objects = {**self.stateful, **name_stateful((), stateful or {})}
+        tag = tag or f"step-{engine.global_steps:08d}"
+        if not is_safe_file_name(tag):
+            raise ConfigError(f"checkpoint tag {tag!r} must be a plain folder name")
+        job, background = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
+        error = None
+        try:
+            need = node_bytes(job.contents.specs, engine.world_size, self._hosts, tiers.replicas, engine.rank)
+            check_fits(self.memory, job.tag, tiers.memory_keep_last, need, tiers.memory_cap_bytes,
+                       tiers.min_free_fraction)
+        except Exception as exc:
+            error = exc
+        agree_on_save(error, self.group, None)
+        drain = None
+        if durable is not None:
+            drain = dataclasses.replace(job, root=Location(os.fspath(durable), storage_options),
+                                        keep_last=tiers.durable_keep_last)
+        self._background = background
+        self._thread = threading.Thread(target=self._run_in_background, args=(self._memory_save, job, drain),
+                                        name="zeroshard-save")
+        self._thread.start()
+        return self.memory.tag_folder(job.tag).url
+
+    def checkpoint(self, path: str, client_state: dict | None = None, *, storage_options: dict | None = None,
+                   stateful: Mapping[str, Any] | None = None) -> list[str]:
+        """Call after every step: saves what `tiers` says is due at this step (memory, durable
+        into `path`, both, or nothing), in the background. Returns the tiers saved to."""
+        tiers = self._tiers()
+        memory, durable = tiers.due(self.engine.global_steps)
+        if memory:
+            self.save_memory(client_state=client_state, durable=path if durable and tiers.drain else None,
+                             storage_options=storage_options, stateful=stateful)
+        if durable and not tiers.drain:
+            self.save(path, client_state=client_state, keep_last=tiers.durable_keep_last, async_save=True,
+                      storage_options=storage_options, stateful=stateful)
+        return ["memory"] * memory + ["durable"] * durable
+
+    def _memory_save(self, job: SaveJob, drain: SaveJob | None) -> None:
+        tiers = self._tiers()
+        manifest = write_memory_checkpoint(job, self.memory, self._hosts, tiers.replicas, tiers.memory_keep_last,
+                                           self.group)
+        if drain is not None:  # the durable copy reads tmpfs, never the engine (which trains on meanwhile)
+            with CheckpointReader(self.memory.tag_folder(job.tag), manifest) as reader:
+                def fill(spec: Any, start: int, end: int, write: Any) -> None:
+                    data = reader.read_flat(manifest.tensors[spec.name], start, end)
+                    write(memoryview(data.contiguous().view(torch.uint8).numpy()))
+                write_and_commit(dataclasses.replace(drain, fill=fill), self.group)
+
+    def _tiers(self) -> TierPolicy:
+        if self.tiers is None:
+            raise ConfigError("the memory tier needs Checkpointer(..., tiers=zeroshard.TierPolicy(...))")
+        return self.tiers
+
+    def load(self, path: str | None, *, strict: bool = True, load_optimizer_states: bool = True,
              storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None) -> Any:
         """Load a checkpoint saved at any world size and stage (a root follows `latest`) into
         the engine and the Stateful objects; returns its client_state. strict=False skips
         parameters missing on either side. Per-rank states (RNG) come back only at the same
-        world size. Raises on every rank if any rank failed, before anything is restored."""
-        path = os.fspath(path)  # any os.PathLike
+        world size. Raises on every rank if any rank failed, before anything is restored.
+        With `tiers`: the newest verified memory checkpoint (own node's copy, else a peer's),
+        else the newest in `path` (recovery.py); `last_recovery` says which and why."""
         self.wait()
         objects = {**self.stateful, **name_stateful((), stateful or {})}
-        return load_checkpoint(self.engine, self.group, path, strict=strict,
-                               load_optimizer_states=load_optimizer_states, stateful=objects,
-                               storage_options=storage_options)
+
+        def load(where: str, options: dict | None) -> Any:
+            return load_checkpoint(self.engine, self.group, where, strict=strict,
+                                   load_optimizer_states=load_optimizer_states, stateful=objects,
+                                   storage_options=options)
+        durable = None if path is None else os.fspath(path)  # any os.PathLike
+        if self.tiers is None:
+            if durable is None:
+                raise ConfigError("load(None) needs a memory tier (Checkpointer(..., tiers=...))")
+            return load(durable, storage_options)
+        result, self.last_recovery, heal = recover(self.engine.rank, self.engine.world_size, self.group,
+                                                   self.memory, self._hosts, self.tiers.replicas, durable,
+                                                   storage_options, load)
+        if heal is not None:  # the replicas a wiped node keeps come back while training goes on
+            self._thread = threading.Thread(target=self._run_in_background, args=(heal,), name="zeroshard-heal")
+            self._thread.start()
+        return result
 
     def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
         """Load model weights from a full model: one .safetensors file or an HF-style folder."""
@@ -144,9 +244,9 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _run_in_background(self, job: SaveJob) -> None:
+    def _run_in_background(self, run: Callable[..., None], *args: Any) -> None:
         try:
-            write_and_commit(job, self.group)
+            run(*args)
         except BaseException as exc:  # kept for the next call: never swallowed
             self._error = exc
 
