@@ -116,7 +116,7 @@ class MemoryFolder:
                 if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == size \
                         and (not hashes or file_hash(path) == digest):
                     held.append(rank)
-            except OSError:
+            except (OSError, StorageError):
                 continue  # vanished or unreadable: not held
         return held
 
@@ -132,10 +132,19 @@ def _folder_bytes(path: str) -> int:
 
 def file_hash(path: str) -> str:
     """The whole-file XXH3-64 the manifest records (FileEntry.hash)."""
+    folder, name = os.path.split(path)
     hasher = new_hasher()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
+    reader = Location(folder or ".").open_reader(name)
+    try:
+        offset, size = 0, os.path.getsize(path)
+        while offset < size:
+            chunk = reader.read(offset, min(HASH_CHUNK, size - offset))
+            if not chunk:
+                break
             hasher.update(chunk)
+            offset += len(chunk)
+    finally:
+        reader.close()
     return hasher.hexdigest()
 
 

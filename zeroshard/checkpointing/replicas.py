@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from typing import Any, Callable, Sequence
 
 import torch
 
 from zeroshard.peers import peer_loss_translated
-from zeroshard.storage.location import TEMP_PREFIX
-from zeroshard.storage.owner import owner_tag
+from zeroshard.storage.location import Location
 
 
 def node_map(hosts: Sequence[str]) -> list[list[int]]:
@@ -65,9 +63,11 @@ class Landing:
         self._temps: dict[str, str] = {}
 
     def allocate(self, name: str, size: int) -> torch.Tensor:
-        temp = os.path.join(self.folder, f"{TEMP_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:8]}-{name}")
-        with open(temp, "wb") as f:
-            f.truncate(size)
+        folder = Location(self.folder)
+        temp_name = folder.temp_name(name)
+        folder.create_exclusive(temp_name, b"", durable=False)
+        temp = folder.full_path(temp_name)
+        os.truncate(temp, size)  # sparse: the receive touches each page once
         self._temps[name] = temp
         return map_file(temp)
 
