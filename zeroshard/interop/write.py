@@ -22,6 +22,8 @@ from zeroshard.interop.imported import Imported, flat_range
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import dtype_name
 
+WINDOW_BYTES = 32 << 20  # the most of one tensor read and held at once while writing
+
 
 def check_world_size(world_size: int | None) -> None:
     """Refuse a target world size below 1 (before anything is read or touched)."""
@@ -58,8 +60,12 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         data[name] = tensor.reshape(-1)
 
     def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-        part = flat_range(data[spec.name], start, end).contiguous()
-        write(memoryview(part.view(torch.uint8).numpy()))
+        value = data[spec.name]
+        step = max(1, WINDOW_BYTES // torch.empty((), dtype=value.dtype).element_size())
+        for lo in range(start, end, step):  # a window at a time: a lazy source is read by range, never whole
+            part = flat_range(value, lo, min(end, lo + step)).contiguous()
+            write(memoryview(part.view(torch.uint8).numpy()))
+            del part
 
     target = Location(out, storage_options)
     # staged even into an empty folder: a killed import then leaves a stage `zeroshard clean`
