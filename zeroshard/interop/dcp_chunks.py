@@ -19,7 +19,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import torch_zip
-from zeroshard.interop.imported import LazyTensor, flat_range, materialize
+from zeroshard.interop.imported import LazyTensor, flat_range, is_tensor, materialize
 from zeroshard.interop.torch_pickle import STAND_INS, open_inside
 
 LAZY_BYTES = 1 << 20  # tensors this big (with a dimension) are read on demand; smaller ones at once
@@ -56,30 +56,26 @@ def read_blob(folder: str, info: Any, what: str) -> Any:
 def _chunk(folder: str, key: str, chunk: Any, chunks: dict) -> Any:
     """The chunk's tensor, a LazyTensor when torch's zip format lets it be read by range (a
     blob in torch's legacy format is read whole)."""
-    import torch
-
     info = chunks.get((key, tuple(chunk.offsets)))
     if info is None:
         raise CheckpointError(folder, f"{key}: no storage for the chunk at offset {list(chunk.offsets)}")
     path = os.path.join(folder, info.relative_path)
     if getattr(info, "transform_descriptors", None) or os.path.basename(info.relative_path) != info.relative_path:
         return _checked(folder, key, chunk, read_blob(folder, info, key))  # refused there, one line
-    source = torch_zip.open_archive(path, folder, info.offset, info.length)
     try:
+        source = torch_zip.open_archive(path, folder, info.offset, info.length)
+        if not torch_zip.is_zip(source):
+            return _checked(folder, key, chunk, read_blob(folder, info, key))  # torch's legacy format: whole
         part = torch_zip.load(source, lazy_bytes=0)
-    except torch_zip.NotAZip:
-        part = read_blob(folder, info, key)
     except CheckpointError as exc:
+        if exc.where != path:
+            raise
         raise CheckpointError(path, f"{key} (bytes {info.offset}+{info.length}): {exc.problem}") from None
-    if not (torch.is_tensor(part) or isinstance(part, LazyTensor)):
-        part = None
     return _checked(folder, key, chunk, part)
 
 
 def _checked(folder: str, key: str, chunk: Any, part: Any) -> Any:
-    import torch
-
-    if not (torch.is_tensor(part) or isinstance(part, LazyTensor)) or tuple(part.shape) != tuple(chunk.sizes):
+    if not is_tensor(part) or tuple(part.shape) != tuple(chunk.sizes):
         raise CheckpointError(folder, f"{key}: the chunk at {list(chunk.offsets)} is not a tensor of "
                                       f"shape {list(chunk.sizes)}")
     return part

@@ -36,10 +36,6 @@ _EOCD, _EOCD64, _LOC64 = 0x06054B50, 0x06064B50, 0x07064B50
 _CENTRAL, _LOCAL = 0x02014B50, 0x04034B50
 
 
-class NotAZip(Exception):
-    """The bytes are no zip archive (torch's legacy format, say): the caller reads them another way."""
-
-
 @dataclass(frozen=True)
 class Record:
     name: str
@@ -86,13 +82,18 @@ class Source:
             done += got
 
 
+def is_zip(src: Source) -> bool:
+    """Whether `src` starts as a zip does (torch's legacy format starts with a pickle)."""
+    return src.length >= 4 and src.pread(4, 0) == struct.pack("<I", _LOCAL)
+
+
 def read_directory(src: Source) -> dict[str, Record]:
     """name -> Record of every entry of the zip at `src`, checked (see the module docstring)."""
     tail_len = min(src.length, 22 + 65535)
     tail = src.pread(tail_len, src.length - tail_len)
     at = tail.rfind(struct.pack("<I", _EOCD))
-    if at < 0 or src.length < 4 or src.pread(4, 0)[:2] != b"PK":
-        raise NotAZip()
+    if at < 0:
+        raise CheckpointError(src.path, "no zip end record: a torch.save archive cut short, or not one")
     if tail_len - at < 22:
         raise CheckpointError(src.path, "zip end record is cut short")
     eocd = src.length - tail_len + at
@@ -325,8 +326,7 @@ def load_lazy(path: str, folder: str | None = None, lazy_bytes: int | None = Non
 
     folder = folder or os.path.dirname(path) or "."
     src = open_archive(path, folder)
-    try:
-        return load(src, lazy_bytes)
-    except NotAZip:
+    if not is_zip(src):
         del src
         return load_pt(path, folder)
+    return load(src, lazy_bytes)
