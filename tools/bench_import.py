@@ -3,6 +3,7 @@
     python tools/bench_import.py --source dcp         # 2 GiB model-only DCP checkpoint, 3 repeats
     python tools/bench_import.py --source deepspeed   # 2 GiB DeepSpeed ZeRO-3 checkpoint, 3 repeats
     python tools/bench_import.py --gib 0.25 --repeats 2   # quick check
+    python tools/bench_import.py --before /tmp/old         # also time an older checkout's import
 
 dcp: written once by real `torch.distributed.checkpoint.save` (one process: one chunk per
 tensor) into --dir: `--tensors` fp32 tensors adding up to --gib. deepspeed: a 2-rank ZeRO-3
@@ -116,11 +117,12 @@ def _make_deepspeed_child(src: Path, gib: float, tensors: int) -> int:
     return sum(f.stat().st_size for f in (src / "global_step3").iterdir())
 
 
-def timed(cmd: list[str] | str, shell: bool = False) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process (and its children)."""
+def timed(cmd: list[str] | str, shell: bool = False, root: Path = ROOT) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process (and its children), running the
+    zeroshard at `root`."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -148,6 +150,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/zeroshard-bench-import")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
+    parser.add_argument("--before", default=None, help="a checkout of an older zeroshard: its import is timed too "
+                        "(e.g. `git archive COMMIT | tar -x -C DIR`)")
     args = parser.parse_args()
 
     work = Path(args.dir)
@@ -163,12 +167,17 @@ def main() -> None:
         print(f"source: {size / (1 << 30):.2f} GiB, DeepSpeed ZeRO-3, 2 ranks, {args.tensors} fp32 parameters "
               f"of {size / 3 / args.tensors / MiB:.0f} MiB (+ exp_avg, exp_avg_sq)")
     runs: dict[str, list[tuple[float, int]]] = {"cp": [], "streaming": [], "whole": []}
+    if args.before:
+        runs["before"] = []
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):  # interleaved: cp, streaming, whole, cp, ...
         shutil.rmtree(work / "copy", ignore_errors=True)
         runs["cp"].append(timed(f"cp -r {src} {work / 'copy'} && sync", shell=True))
         runs["streaming"].append(timed(import_cmd(args.source, src, work / "out-streaming", None)))
         runs["whole"].append(timed(import_cmd(args.source, src, work / "out-whole", WHOLE)))
+        if args.before:
+            runs["before"].append(timed(import_cmd(args.source, src, work / "out-before", None),
+                                        root=Path(args.before).resolve()))
         loads.append(os.getloadavg()[0])
     print(f"{'':10} {'wall s, median (min-max)':>26} {'x cp, paired':>22} {'peak RSS MiB':>24}")
     for name, values in runs.items():

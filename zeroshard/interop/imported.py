@@ -111,10 +111,12 @@ class Flat:
     def read(self, start: int, end: int) -> Any:
         import torch
 
-        parts = [flat_range(v, s, e).to(self.dtype) for v, s, e in self.slice(start, end).pieces]
-        if not parts:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # a clone holds no bigger source
+        pieces = self.slice(start, end).pieces
+        parts = [flat_range(v, s, e).to(self.dtype) for v, s, e in pieces]
+        if len(parts) != 1:
+            return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+        # a LazyTensor's read is fresh; a real tensor's slice is a view, cloned so as not to hold its source
+        return parts[0] if isinstance(pieces[0][0], LazyTensor) else parts[0].clone()
 
     def tensor(self, shape: tuple[int, ...], lazy_bytes: int) -> Any:
         """A tensor of `shape` over these elements: read now if under `lazy_bytes` or 0-d, else lazy."""
