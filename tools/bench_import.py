@@ -121,7 +121,7 @@ def timed(cmd: list[str] | str, shell: bool = False, root: Path = ROOT) -> tuple
     """Wall seconds and peak RSS (bytes) of one child process (and its children), running the
     zeroshard at `root`."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
                             env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
