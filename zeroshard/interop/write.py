@@ -25,6 +25,21 @@ from zeroshard.storage.safetensors_header import dtype_name
 WINDOW_BYTES = 32 << 20  # the most of one tensor read and held at once while writing
 
 
+def _release_large_blocks() -> None:
+    """Have glibc serve blocks of 4 MiB and more by mmap, handed back to the system when freed.
+    Its default raises that threshold to 32 MiB once such a block is freed, and the windows
+    of a streaming import then pile up in the heap as free but resident memory (measured: peak
+    RSS 722 MiB instead of 305 importing 0.5 GiB of DCP). Not glibc: nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def check_world_size(world_size: int | None) -> None:
     """Refuse a target world size below 1 (before anything is read or touched)."""
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
@@ -43,6 +58,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     import torch
 
     check_world_size(world_size)
+    _release_large_blocks()
     world = world_size or imp.world_size
     specs: list[TensorSpec] = []
     data: dict[str, Any] = {}
