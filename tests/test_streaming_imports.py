@@ -29,7 +29,7 @@ def bytes_read(monkeypatch) -> list[int]:
     return read
 
 
-def test_dcp_range_reads_only_its_rows(tmp_path, bytes_read):
+def test_dcp_range_reads_only_its_bytes(tmp_path, bytes_read):
     import torch.distributed.checkpoint as dcp
 
     from zeroshard.interop.dcp_import import read_dcp
@@ -47,7 +47,7 @@ def test_dcp_range_reads_only_its_rows(tmp_path, bytes_read):
     bytes_read.clear()
     part = w.read(10 * 1024 + 5, 12 * 1024)  # inside rows 10 and 11
     assert torch.equal(part, back["model"]["w"].reshape(-1)[10 * 1024 + 5: 12 * 1024])
-    assert bytes_read == [2 * 1024 * 4]  # two rows of the 4 MiB chunk, nothing else
+    assert bytes_read == [(2 * 1024 - 5) * 4]  # the range's bytes of the 4 MiB chunk, nothing else
     assert torch.equal(w.materialize(), back["model"]["w"]) and torch.equal(imp.params["b"], back["model"]["b"])
 
 

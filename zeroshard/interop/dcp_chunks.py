@@ -95,6 +95,11 @@ def read_rows(folder: str, key: str, entry: Any, chunks: dict, start: int, end: 
             whole[index] = materialize(_chunk(folder, key, chunk, chunks)).to(dtype)
         return whole.reshape(-1)[start:end]
     r0, r1 = start // row, -(-end // row)
+    for chunk in entry.chunks:  # the usual case: one full-width chunk holds the whole range, read as is
+        c0, cn = chunk.offsets[0], chunk.sizes[0]
+        if c0 <= r0 and r1 <= c0 + cn and tuple(chunk.sizes[1:]) == size[1:]:
+            part = flat_range(_chunk(folder, key, chunk, chunks), start - c0 * row, end - c0 * row)
+            return part.to(dtype)
     rows = torch.empty((r1 - r0, *size[1:]), dtype=dtype)
     for chunk in entry.chunks:
         c0, cn = chunk.offsets[0], chunk.sizes[0]
