@@ -725,3 +725,39 @@ def test_dcp_metadata_of_the_wrong_types_is_one_line(tmp_path):
     src = save_dcp(tmp_path / "dcp2")
     edit_metadata(src, lambda m: setattr(m.state_dict_metadata["model.w"].properties, "dtype", "float32"))
     _refused_dcp(src, tmp_path, ".metadata", "model.w")
+
+
+# ---- streaming reads (interop/torch_zip.py): a hostile zip inside a .pt or .distcp ------------
+def _deflate(path: Path) -> None:
+    """The same records, compressed (torch.save never compresses; a reader must not inflate)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zin:
+        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zout:
+        for name, data in records:
+            zout.writestr(name, data)
+
+
+def test_deepspeed_compressed_rank_file_is_refused_naming_it(tmp_path):
+    root = ds_copy(tmp_path)
+    _deflate(root / TAG / OPTIM1)
+    _refused_import(root, tmp_path, OPTIM1, "compressed")
+
+
+def test_dcp_chunk_with_overlapping_zip_records_is_refused_naming_file_and_key(tmp_path):
+    src = save_dcp(tmp_path / "dcp")
+    metadata = load_metadata(str(src / ".metadata"))
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "model.w")
+    raw = bytearray((src / info.relative_path).read_bytes())
+    blob = bytes(raw[info.offset: info.offset + info.length])
+    eocd = blob.rfind(b"PK\x05\x06")
+    at = int.from_bytes(blob[eocd + 16: eocd + 20], "little")  # the central directory
+    while blob[at: at + 4] == b"PK\x01\x02":  # the data/0 entry's sizes: now reaching into the next record
+        nlen, xlen, clen = (int.from_bytes(blob[at + i: at + i + 2], "little") for i in (28, 30, 32))
+        if blob[at + 46: at + 46 + nlen].endswith(b"data/0"):
+            size = int.from_bytes(blob[at + 24: at + 28], "little") + 200
+            raw[info.offset + at + 20: info.offset + at + 28] = size.to_bytes(4, "little") * 2
+        at += 46 + nlen + xlen + clen
+    (src / info.relative_path).write_bytes(bytes(raw))
+    _refused_dcp(src, tmp_path, info.relative_path, "model.w", "overlap")

@@ -1,22 +1,29 @@
-"""Peak memory and speed of `zeroshard import dcp` on a big DCP checkpoint (issue 18).
+"""Peak memory and speed of `zeroshard import dcp|deepspeed` on a big checkpoint (issue 18).
 
-    python tools/bench_import.py                    # 2 GiB model-only DCP checkpoint, 3 repeats
+    python tools/bench_import.py --source dcp         # 2 GiB model-only DCP checkpoint, 3 repeats
+    python tools/bench_import.py --source deepspeed   # 2 GiB DeepSpeed ZeRO-3 checkpoint, 3 repeats
     python tools/bench_import.py --gib 0.25 --repeats 2   # quick check
+    python tools/bench_import.py --before /tmp/old         # also time an older checkout's import
 
-The checkpoint is written once by real `torch.distributed.checkpoint.save` (one process: one
-chunk per tensor) into --dir: `--tensors` fp32 tensors adding up to --gib. Then, interleaved,
-each repeat runs: `cp -r SRC DST && sync` (the floor: the bytes read and written once, made
-durable), `zeroshard import dcp SRC OUT --world 2` as shipped (streaming), and the same import
-with every tensor read whole first (`dcp_chunks.LAZY_BYTES` raised: how imports worked before).
-Each is a fresh process; its peak RSS is wait4's ru_maxrss. Reported: medians with min-max of
-wall time, of the paired ratio against cp, and of peak RSS. Scope: CPU, local disk, warm page
-cache (the source is read right after being written and between repeats).
+dcp: written once by real `torch.distributed.checkpoint.save` (one process: one chunk per
+tensor) into --dir: `--tensors` fp32 tensors adding up to --gib. deepspeed: a 2-rank ZeRO-3
+checkpoint in the layout of tests/data/deepspeed/stage3 (DeepSpeed 0.19.8's engine save),
+written with torch.save by make_deepspeed below: `--tensors` fp32 parameters, each rank's file
+holding its padded ceil(n/2) slice of every parameter (fp32 master, exp_avg, exp_avg_sq) in
+sub-groups of 8 parameters; the files add up to --gib. Then, interleaved, each repeat runs:
+`cp -r SRC DST && sync` (the floor: the bytes read and written once, made durable), the import
+to `--world 2` as shipped (streaming), and the same import with every tensor read whole first
+(`LAZY_BYTES` raised: how imports worked before). Each is a fresh process; its peak RSS is
+wait4's ru_maxrss. Reported: medians with min-max of wall time, of the paired ratio against cp,
+and of peak RSS, and the load average around the runs. Scope: CPU, local disk, warm page cache
+(the source is read right after being written and between repeats).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -24,13 +31,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 WHOLE = 1 << 60  # LAZY_BYTES for "read every tensor whole"
 
 
-def make_checkpoint(src: Path, gib: float, tensors: int) -> int:
+def make_dcp(src: Path, gib: float, tensors: int) -> int:
     """A model-only DCP checkpoint of `tensors` fp32 [rows, 1024] tensors, in a child process."""
     rows = max(1, int(gib * (1 << 30) / tensors / 4 / 1024))
     code = (f"import torch, torch.distributed.checkpoint as dcp, warnings; warnings.simplefilter('ignore'); "
@@ -41,11 +49,80 @@ def make_checkpoint(src: Path, gib: float, tensors: int) -> int:
     return sum(f.stat().st_size for f in src.iterdir())
 
 
-def timed(cmd: list[str] | str, shell: bool = False) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process (and its children)."""
+def make_deepspeed(folder: Path, shapes: dict[str, tuple[int, ...]], world: int,
+                   values: Callable[[str, str], Any], per_group: int = 8) -> None:
+    """A DeepSpeed ZeRO-3 checkpoint at `folder` (`latest` -> global_step3), in the layout of
+    tests/data/deepspeed/stage3: `values(name, kind)` is the full tensor of parameter `name` for
+    kind "fp32", "exp_avg" or "exp_avg_sq"; each rank keeps its padded ceil(n/world) slice of
+    each, per sub-group of `per_group` parameters. One rank's file is built at a time."""
+    import torch
+
+    tag = folder / "global_step3"
+    tag.mkdir(parents=True)
+    (folder / "latest").write_text("global_step3")
+    names = list(shapes)
+    groups = [names[i:i + per_group] for i in range(0, len(names), per_group)]
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    hyper = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+             "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True, "params": list(range(len(groups)))}
+    for rank in range(world):
+        flat_groups, state = [], {}
+        for g, group in enumerate(groups):
+            parts: dict[str, list] = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+            for name in group:
+                part = math.ceil(math.prod(shapes[name]) / world)
+                for kind, pieces in parts.items():
+                    mine = values(name, kind).reshape(-1)[rank * part:(rank + 1) * part]
+                    pieces.append(torch.cat([mine, torch.zeros(part - mine.numel())]))  # the padding
+            flat_groups.append(torch.cat(parts.pop("fp32")))
+            state[g] = {"step": torch.tensor(3.0), **{k: torch.cat(v) for k, v in parts.items()}}
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 3, "loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
+            "partition_count": world, "optimizer_state_dict": {"state": state, "param_groups": [hyper]},
+            "fp32_flat_groups": flat_groups}, "ds_config": config, "ds_version": "0.19.8"},
+            tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        del flat_groups, state
+        torch.save({"module": {n: torch.empty(0) for n in names}, "buffer_names": [], "optimizer": None,
+                    "param_shapes": [{n: torch.Size(shapes[n]) for n in names}], "frozen_param_shapes": {},
+                    "shared_params": {}, "lr_scheduler": None, "skipped_steps": 0, "global_steps": 3,
+                    "global_samples": 24, "dp_world_size": world, "mp_world_size": 1, "ds_config": config,
+                    "ds_version": "0.19.8"}, tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
+def seeded_values(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, str], Any]:
+    """values() for make_deepspeed: reproducible normal values per (parameter, kind)."""
+    import torch
+
+    kinds = {"fp32": 0, "exp_avg": 1, "exp_avg_sq": 2}
+    index = {name: i for i, name in enumerate(shapes)}
+
+    def values(name: str, kind: str) -> Any:
+        g = torch.Generator().manual_seed(3 * index[name] + kinds[kind])
+        value = torch.randn(shapes[name], generator=g)
+        return value.abs_() if kind == "exp_avg_sq" else value
+
+    return values
+
+
+def _make_deepspeed_child(src: Path, gib: float, tensors: int) -> int:
+    """A >= `gib` DeepSpeed ZeRO-3 checkpoint of `tensors` [rows, 1024] parameters (3 fp32 arrays
+    each), written in a child process so its memory is not the benchmark's."""
+    rows = max(1, math.ceil(gib * (1 << 30) / tensors / 12 / 1024))
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+            f"import bench_import as b; shapes = {{f'layers.{{i}}.weight': ({rows}, 1024) for i in range({tensors})}}; "
+            f"b.make_deepspeed(Path({str(src)!r}), shapes, 2, b.seeded_values(shapes))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return sum(f.stat().st_size for f in (src / "global_step3").iterdir())
+
+
+def timed(cmd: list[str] | str, shell: bool = False, root: Path = ROOT) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process (and its children), running the
+    zeroshard at `root`."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
+                            env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -53,10 +130,12 @@ def timed(cmd: list[str] | str, shell: bool = False) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
-def import_cmd(src: Path, out: Path, lazy_bytes: int | None) -> list[str]:
-    setup = "" if lazy_bytes is None else f"import zeroshard.interop.dcp_chunks as c; c.LAZY_BYTES = {lazy_bytes}; "
+def import_cmd(source: str, src: Path, out: Path, lazy_bytes: int | None) -> list[str]:
+    setup = "" if lazy_bytes is None else (
+        f"import zeroshard.interop.dcp_chunks as c, zeroshard.interop.torch_zip as z; "
+        f"c.LAZY_BYTES = z.LAZY_BYTES = {lazy_bytes}; ")
     return [sys.executable, "-c", setup + "import sys; from zeroshard.cli import main; sys.argv[0] = 'zeroshard'; "
-            "main()", "import", "dcp", str(src), str(out), "--world", "2", "--overwrite", "-q"]
+            "main()", "import", source, str(src), str(out), "--world", "2", "--overwrite", "-q"]
 
 
 def spread(values: list[float]) -> str:
@@ -65,35 +144,52 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", choices=["dcp", "deepspeed"], default="dcp")
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/zeroshard-bench-import")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
+    parser.add_argument("--before", default=None, help="a checkout of an older zeroshard: its import is timed too "
+                        "(e.g. `git archive COMMIT | tar -x -C DIR`)")
     args = parser.parse_args()
 
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    src = work / "dcp"
-    size = make_checkpoint(src, args.gib, args.tensors)
-    print(f"source: {size / (1 << 30):.2f} GiB in {args.tensors} tensors of "
-          f"{size / args.tensors / MiB:.0f} MiB (real dcp.save, model-only)")
+    src = work / args.source
+    if args.source == "dcp":
+        size = make_dcp(src, args.gib, args.tensors)
+        print(f"source: {size / (1 << 30):.2f} GiB in {args.tensors} tensors of "
+              f"{size / args.tensors / MiB:.0f} MiB (real dcp.save, model-only)")
+    else:
+        size = _make_deepspeed_child(src, args.gib, args.tensors)
+        print(f"source: {size / (1 << 30):.2f} GiB, DeepSpeed ZeRO-3, 2 ranks, {args.tensors} fp32 parameters "
+              f"of {size / 3 / args.tensors / MiB:.0f} MiB (+ exp_avg, exp_avg_sq)")
     runs: dict[str, list[tuple[float, int]]] = {"cp": [], "streaming": [], "whole": []}
+    if args.before:
+        runs["before"] = []
+    loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):  # interleaved: cp, streaming, whole, cp, ...
         shutil.rmtree(work / "copy", ignore_errors=True)
         runs["cp"].append(timed(f"cp -r {src} {work / 'copy'} && sync", shell=True))
-        runs["streaming"].append(timed(import_cmd(src, work / "out-streaming", None)))
-        runs["whole"].append(timed(import_cmd(src, work / "out-whole", WHOLE)))
+        runs["streaming"].append(timed(import_cmd(args.source, src, work / "out-streaming", None)))
+        runs["whole"].append(timed(import_cmd(args.source, src, work / "out-whole", WHOLE)))
+        if args.before:
+            runs["before"].append(timed(import_cmd(args.source, src, work / "out-before", None),
+                                        root=Path(args.before).resolve()))
+        loads.append(os.getloadavg()[0])
     print(f"{'':10} {'wall s, median (min-max)':>26} {'x cp, paired':>22} {'peak RSS MiB':>24}")
     for name, values in runs.items():
         walls = [w for w, _ in values]
         ratios = [w / c for (w, _), (c, _) in zip(values, runs["cp"])]
         print(f"{name:10} {spread(walls):>26} {spread(ratios):>22} {spread([r / MiB for _, r in values]):>24}")
+    print(f"load average (1 min) before and after each repeat: {', '.join(f'{x:.1f}' for x in loads)} "
+          f"on {os.cpu_count()} CPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps({"source_bytes": size, "tensors": args.tensors, "runs": runs,
-                                               "machine": os.uname().nodename, "cpus": os.cpu_count(),
-                                               "loadavg": os.getloadavg()}, indent=1))
+        Path(args.json).write_text(json.dumps({"source": args.source, "source_bytes": size, "tensors": args.tensors,
+                                               "runs": runs, "machine": os.uname().nodename,
+                                               "cpus": os.cpu_count(), "loadavg": loads}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -2,7 +2,9 @@
 
   torch_pickle.py    reading foreign .pt pickles through torch's weights_only unpickler and a
                      closed allowlist of stand-ins for DeepSpeed's classes
-  imported.py        Imported: a foreign checkpoint in memory, in zeroshard terms
+  torch_zip.py       torch.save zip archives read by record: big tensors are LazyTensors that
+                     read only the bytes of the range asked for (files or byte ranges of files)
+  imported.py        Imported: a foreign checkpoint, in zeroshard terms; LazyTensor, Flat
   write.py           writing an Imported as a zeroshard checkpoint (the format writer)
   deepspeed_ckpt.py  reading DeepSpeed ZeRO 1/2/3 checkpoint folders
   dcp_metadata.py    reading torch.distributed.checkpoint `.metadata` (restricted unpickler)

@@ -35,6 +35,7 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
+from zeroshard.interop import torch_zip
 from zeroshard.interop.deepspeed_common import (
     TRAINER_STATE,
     carry_trainer_state,
@@ -43,8 +44,8 @@ from zeroshard.interop.deepspeed_common import (
     load_model_states,
     optimizer_scalar,
 )
-from zeroshard.interop.imported import Imported
-from zeroshard.interop.torch_pickle import load_pt, read_small_file
+from zeroshard.interop.imported import Flat, Imported, is_tensor
+from zeroshard.interop.torch_pickle import read_small_file
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -138,7 +139,7 @@ def read_deepspeed(src: str) -> Imported:
 def _read(folder: str) -> Imported:
     optim_paths = _optim_files(folder)
     world = len(optim_paths)
-    optims = [load_pt(p, folder) for p in optim_paths]
+    optims = [torch_zip.load_lazy(p, folder) for p in optim_paths]  # big tensors unread until written
     osds = []
     for path, sd in zip(optim_paths, optims):
         if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
@@ -182,15 +183,15 @@ def _flat_stage12(imp: Imported, paths: list[str], osds: list[dict], groups_shap
                                             "file?): not supported")
             if any((osd.get("param_alignment_paddings") or [[]] * (g + 1))[g]):
                 raise CheckpointError(path, "per-parameter alignment padding is not supported")
-        fp32 = [osd["single_partition_of_fp32_groups"][g].float() for osd in osds]
-        full = torch.cat(fp32)
-        states: dict[str, torch.Tensor] = {}
+        fp32 = [Flat.of(osd["single_partition_of_fp32_groups"][g], torch.float32) for osd in osds]
+        full = Flat.cat(fp32)
+        states: dict[str, Flat] = {}
         scalars: dict[str, Any] = {}
         per_rank = [(osd["base_optimizer_state"].get("state") or {}).get(g, {}) for osd in osds]
         for key, value in per_rank[0].items():
-            if torch.is_tensor(value) and value.dim() >= 1:
+            if is_tensor(value) and value.dim() >= 1:
                 # each rank's moment may keep the tail padding its fp32 slice dropped
-                states[key] = torch.cat([r[key].reshape(-1)[: f.numel()] for r, f in zip(per_rank, fp32)])
+                states[key] = Flat.cat([Flat.of(r[key]).slice(0, f.numel()) for r, f in zip(per_rank, fp32)])
             else:
                 scalars[key] = optimizer_scalar(paths[0], value, key)
         _cut(imp, paths[0], shapes, full, states, scalars)
@@ -202,40 +203,47 @@ def _flat_stage3(imp: Imported, paths: list[str], osds: list[dict], groups_shape
 
     world = len(osds)
     names = [(n, s) for shapes in groups_shapes for n, s in shapes.items()]
-    flat = [torch.cat([t.float().reshape(-1) for t in osd["fp32_flat_groups"]]) for osd in osds]
+    flat = [Flat.cat([Flat.of(t, torch.float32) for t in osd["fp32_flat_groups"]], torch.float32) for osd in osds]
     per_rank_states = [osd["optimizer_state_dict"].get("state") or {} for osd in osds]
     keys = {}
     for gstate in per_rank_states[0].values():
         for key, value in gstate.items():
-            keys[key] = torch.is_tensor(value) and value.dim() >= 1
-    moments = {k: [torch.cat([s[g][k].reshape(-1) for g in sorted(s)]) for s in per_rank_states]
+            keys[key] = is_tensor(value) and value.dim() >= 1
+    moments = {k: [Flat.cat([Flat.of(s[g][k]) for g in sorted(s)]) for s in per_rank_states]
                for k, per_elem in keys.items() if per_elem}
     first_group = per_rank_states[0][min(per_rank_states[0])]
     scalars = {k: optimizer_scalar(paths[0], first_group[k], k) for k, per_elem in keys.items()
                if not per_elem}
     need = sum(math.ceil(math.prod(s) / world) for _, s in names)
-    if any(f.numel() < need for f in flat):
-        raise CheckpointError(paths[0], f"fp32_flat_groups hold {flat[0].numel()} elements per rank, "
-                                        f"param_shapes need {need}")
+    for what, per in [("fp32_flat_groups", flat), *moments.items()]:
+        if any(f.numel() < need for f in per):
+            raise CheckpointError(paths[0], f"{what} hold {min(f.numel() for f in per)} elements per rank, "
+                                            f"param_shapes need {need}")
     offset = 0
     for name, shape in names:
         numel = math.prod(shape)
         part = math.ceil(numel / world)
-        imp.params[name] = torch.cat([f[offset:offset + part] for f in flat])[:numel].reshape(tuple(shape)).clone()
-        imp.optimizer_state[name] = {k: torch.cat([m[offset:offset + part] for m in per])[:numel].clone()
-                                     for k, per in moments.items()}
+        imp.params[name] = Flat.cat([f.slice(offset, offset + part) for f in flat]).slice(0, numel).tensor(
+            tuple(shape), torch_zip.LAZY_BYTES)
+        imp.optimizer_state[name] = {
+            k: Flat.cat([m.slice(offset, offset + part) for m in per]).slice(0, numel).tensor((numel,),
+                                                                                            torch_zip.LAZY_BYTES)
+            for k, per in moments.items()}
         imp.scalar_state[name] = dict(scalars)
         offset += part
 
 
-def _cut(imp: Imported, where: str, shapes: dict, full: Any, states: dict, scalars: dict) -> None:
-    """Params of one group, in param_shapes order, from the group's full flat fp32 buffer."""
+def _cut(imp: Imported, where: str, shapes: dict, full: Flat, states: dict[str, Flat], scalars: dict) -> None:
+    """Params of one group, in param_shapes order, from the group's full flat fp32 run."""
+    need = sum(math.prod(shape) for shape in shapes.values())
+    for what, flat in [("the fp32 partitions", full), *states.items()]:
+        if need > flat.numel():
+            raise CheckpointError(where, f"{what} hold {flat.numel()} elements, param_shapes need more ({need})")
     offset = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        if offset + numel > full.numel():
-            raise CheckpointError(where, f"the fp32 partitions hold {full.numel()} elements, param_shapes need more")
-        imp.params[name] = full[offset:offset + numel].reshape(tuple(shape)).clone()
-        imp.optimizer_state[name] = {k: v[offset:offset + numel].clone() for k, v in states.items()}
+        imp.params[name] = full.slice(offset, offset + numel).tensor(tuple(shape), torch_zip.LAZY_BYTES)
+        imp.optimizer_state[name] = {k: v.slice(offset, offset + numel).tensor((numel,), torch_zip.LAZY_BYTES)
+                                     for k, v in states.items()}
         imp.scalar_state[name] = dict(scalars)
         offset += numel

@@ -12,8 +12,9 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import scalar_json, to_json_value
-from zeroshard.interop.imported import Imported, optimizer_class_of
-from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth, read_small_file
+from zeroshard.interop import torch_zip
+from zeroshard.interop.imported import Imported, LazyTensor, optimizer_class_of
+from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth, read_small_file
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
 DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -78,7 +79,7 @@ def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str
     """(model-states dict, checked param_shapes, ds_config) of the file at `model_path`."""
     if not os.path.isfile(model_path):
         raise CheckpointError(model_path, "missing: the model-states file of this checkpoint")
-    model = load_pt(model_path, folder)
+    model = torch_zip.load_lazy(model_path, folder)  # stage 1-2's module weights stay unread
     if not isinstance(model, dict) or "param_shapes" not in model or "buffer_names" not in model:
         raise CheckpointError(model_path, "not a DeepSpeed model-states file (no param_shapes/buffer_names)")
     if nesting_depth(model) > MAX_NESTING:
@@ -111,7 +112,8 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     imp.optimizer_class = optimizer_class_of(hyper, declared)
 
     module = model.get("module") or {}
-    imp.buffers = {n: module[n].detach().clone() for n in model["buffer_names"] if n in module}
+    imp.buffers = {n: module[n].materialize() if isinstance(module[n], LazyTensor) else module[n].detach().clone()
+                   for n in model["buffer_names"] if n in module}
     imp.aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items() if v in imp.params}
     known = set(imp.params) | set(imp.buffers) | set(imp.aliases) | set(model.get("frozen_param_shapes") or {})
     untied = [k for k in module if k not in known]

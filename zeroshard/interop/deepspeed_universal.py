@@ -24,9 +24,10 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
+from zeroshard.interop import torch_zip
 from zeroshard.interop.deepspeed_common import fill_from_model, int_field, load_model_states, optimizer_scalar
-from zeroshard.interop.imported import Imported
-from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth
+from zeroshard.interop.imported import Imported, is_tensor, with_shape
+from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
 _STATE_FILE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]{0,99})\.pt$")
 MAX_WORLD = 1 << 16  # the output's default rank count comes from partition_count: bounded, not trusted
@@ -47,10 +48,8 @@ def _model_path(folder: str) -> str:
 
 def _tensor_of(path: str, value: Any, numel: int) -> Any:
     """The whole tensor of a universal state file ({"param": tensor, ...} or a bare tensor)."""
-    import torch
-
     tensor = value.get("param") if isinstance(value, dict) else value
-    if not torch.is_tensor(tensor):
+    if not is_tensor(tensor):
         raise CheckpointError(path, f"holds {type(tensor).__name__}, not a tensor under 'param'")
     if tensor.numel() != numel:
         raise CheckpointError(path, f"holds {tensor.numel()} elements, param_shapes say {numel}")
@@ -60,7 +59,7 @@ def _tensor_of(path: str, value: Any, numel: int) -> Any:
 def read_universal(folder: str) -> Imported:
     zero = os.path.join(folder, "zero")
     common_path = os.path.join(zero, "optimizer_state.pt")
-    common = load_pt(common_path, folder)
+    common = torch_zip.load_lazy(common_path, folder)
     if not isinstance(common, dict) or not isinstance(common.get("param_groups"), list):
         raise CheckpointError(common_path, "not a universal optimizer_state.pt (no param_groups list)")
     if nesting_depth(common) > MAX_NESTING:
@@ -117,12 +116,12 @@ def _read_param(imp: Imported, folder: str, zero: str, name: str, shape: tuple[i
         m = _STATE_FILE.match(file)
         if not m:
             raise CheckpointError(path, "is not an optimizer state file (<state>.pt) of a universal checkpoint")
-        value = load_pt(path, folder)
+        value = torch_zip.load_lazy(path, folder)  # a big state stays unread until written
         key = m.group(1)
         if key == "fp32":
-            imp.params[name] = _tensor_of(path, value, numel).float().reshape(shape).clone()
+            imp.params[name] = with_shape(_tensor_of(path, value, numel).float(), tuple(shape))
         elif isinstance(value, dict) or getattr(value, "dim", lambda: 0)() >= 1:
-            states[key] = _tensor_of(path, value, numel).reshape(-1).clone()
+            states[key] = with_shape(_tensor_of(path, value, numel), (numel,))
         else:
             scalars[key] = optimizer_scalar(path, value, key)
     imp.optimizer_state[name] = states

@@ -54,13 +54,77 @@ class LazyTensor:
         return self.read(0, self.numel()).reshape(self.shape)
 
 
+def is_tensor(value: Any) -> bool:
+    """A tensor or a LazyTensor."""
+    import torch
+
+    return isinstance(value, LazyTensor) or torch.is_tensor(value)
+
+
 def flat_range(value: Any, start: int, end: int) -> Any:
     """Flat elements [start, end) of a tensor or LazyTensor."""
     return value.read(start, end) if isinstance(value, LazyTensor) else value.reshape(-1)[start:end]
 
 
 def materialize(value: Any) -> Any:
+    """A real tensor: a LazyTensor read whole, anything else as it is."""
     return value.materialize() if isinstance(value, LazyTensor) else value
+
+
+def with_shape(value: Any, shape: tuple[int, ...]) -> Any:
+    """`value` (as many elements as `shape` holds) in `shape`, still unread if it was lazy."""
+    if isinstance(value, LazyTensor):
+        return LazyTensor(shape, value._source_dtype, value._read, value._cast)
+    return value.reshape(shape)
+
+
+class Flat:
+    """A flat run of elements made of pieces of tensors or LazyTensors, read only when asked:
+    the concatenations and slices of partitions a sharded checkpoint is cut from, without
+    holding them. Each piece is (value, start, end) in flat elements; read in `dtype`."""
+
+    def __init__(self, pieces: list[tuple[Any, int, int]], dtype: Any) -> None:
+        self.pieces = [(v, s, e) for v, s, e in pieces if e > s]
+        self.dtype = dtype
+
+    @classmethod
+    def of(cls, value: Any, dtype: Any = None) -> "Flat":
+        return cls([(value, 0, value.numel())], dtype or value.dtype)
+
+    @classmethod
+    def cat(cls, flats: list["Flat"], dtype: Any = None) -> "Flat":
+        return cls([p for f in flats for p in f.pieces], dtype or (flats[0].dtype if flats else None))
+
+    def numel(self) -> int:
+        return sum(e - s for _, s, e in self.pieces)
+
+    def slice(self, start: int, end: int) -> "Flat":
+        """Elements [start, end) (clipped to what there is)."""
+        out, at = [], 0
+        for value, s, e in self.pieces:
+            lo, hi = max(start - at, 0), min(end - at, e - s)
+            if lo < hi:
+                out.append((value, s + lo, s + hi))
+            at += e - s
+        return Flat(out, self.dtype)
+
+    def read(self, start: int, end: int) -> Any:
+        import torch
+
+        pieces = self.slice(start, end).pieces
+        parts = [flat_range(v, s, e).to(self.dtype) for v, s, e in pieces]
+        if len(parts) != 1:
+            return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+        # a LazyTensor's read is fresh; a real tensor's slice is a view, cloned so as not to hold its source
+        return parts[0] if isinstance(pieces[0][0], LazyTensor) else parts[0].clone()
+
+    def tensor(self, shape: tuple[int, ...], lazy_bytes: int) -> Any:
+        """A tensor of `shape` over these elements: read now if under `lazy_bytes` or 0-d, else lazy."""
+        import torch
+
+        if math.prod(shape) * torch.empty((), dtype=self.dtype).element_size() < lazy_bytes or not shape:
+            return self.read(0, self.numel()).reshape(shape)
+        return LazyTensor(shape, self.dtype, self.read)
 
 
 @dataclass

@@ -106,14 +106,14 @@ def load_pt(path: str, folder: str | None = None) -> Any:
         with os.fdopen(fd, "rb") as f, torch.serialization.safe_globals(STAND_INS):
             return torch.load(f, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError, TypeError) as exc:
-        raise CheckpointError(path, f"refused to unpickle: {_first_line(exc)}") from None
+        raise CheckpointError(path, f"refused to unpickle: {first_line(exc)}") from None
     except (RuntimeError, EOFError, ValueError, MemoryError, RecursionError, IndexError, KeyError) as exc:
-        raise CheckpointError(path, f"not a readable torch file: {_first_line(exc)}") from None
+        raise CheckpointError(path, f"not a readable torch file: {first_line(exc)}") from None
     except OSError as exc:
         raise CheckpointError(path, exc.strerror or str(exc)) from None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """torch's message is a page of advice; keep the line that names the offending global."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for line in lines:

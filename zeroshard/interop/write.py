@@ -22,6 +22,23 @@ from zeroshard.interop.imported import Imported, flat_range
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import dtype_name
 
+WINDOW_BYTES = 32 << 20  # the most of one tensor read and held at once while writing
+
+
+def _release_large_blocks() -> None:
+    """Have glibc serve blocks of 4 MiB and more by mmap, handed back to the system when freed.
+    Its default raises that threshold to 32 MiB once such a block is freed, and the windows
+    of a streaming import then pile up in the heap as free but resident memory (measured: peak
+    RSS 722 MiB instead of 305 importing 0.5 GiB of DCP). Not glibc: nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
 
 def check_world_size(world_size: int | None) -> None:
     """Refuse a target world size below 1 (before anything is read or touched)."""
@@ -41,6 +58,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     import torch
 
     check_world_size(world_size)
+    _release_large_blocks()
     world = world_size or imp.world_size
     specs: list[TensorSpec] = []
     data: dict[str, Any] = {}
@@ -58,8 +76,12 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         data[name] = tensor.reshape(-1)
 
     def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-        part = flat_range(data[spec.name], start, end).contiguous()
-        write(memoryview(part.view(torch.uint8).numpy()))
+        value = data[spec.name]
+        step = max(1, WINDOW_BYTES // torch.empty((), dtype=value.dtype).element_size())
+        for lo in range(start, end, step):  # a window at a time: a lazy source is read by range, never whole
+            part = flat_range(value, lo, min(end, lo + step)).contiguous()
+            write(memoryview(part.view(torch.uint8).numpy()))
+            del part
 
     target = Location(out, storage_options)
     # staged even into an empty folder: a killed import then leaves a stage `zeroshard clean`
