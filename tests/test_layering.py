@@ -184,6 +184,8 @@ DOOR_ALLOWED = {
     ("zeroshard/interop/dcp_chunks.py", "os.pread"): "interop: moves behind storage next",
     ("zeroshard/interop/dcp_metadata.py", "os.fdopen"): "interop: moves behind storage next",
     ("zeroshard/interop/torch_pickle.py", "os.fdopen"): "interop: moves behind storage next",
+    ("zeroshard/interop/torch_zip.py", "os.pread"): "interop: moves behind storage next (Source over a RangeReader)",
+    ("zeroshard/interop/torch_zip.py", "os.preadv"): "interop: moves behind storage next (Source over a RangeReader)",
     # not checkpoint data: small files the user names, read once
     ("zeroshard/cli.py", "open()"): "/proc/<ppid>/cmdline, to tell how the CLI was launched",
     ("zeroshard/deepspeed/config.py", "open()"): "the user's DeepSpeed JSON config",
