@@ -27,7 +27,7 @@ from zeroshard.errors import (
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "zero_init", "ZeroConfig", "ZeroEngine", "CheckpointingEngine", "Checkpointer",
-           "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
+           "TierPolicy", "RNGState", "Stateful", "EngineState", "ZeroshardError", "CheckpointError", "StorageError",
            "ClaimError", "OutputExistsError", "CheckpointSaveError", "OtherRanksFailedError", "PeerLostError",
            "ConfigError", "InvalidArgumentError", "ArgumentTypeError", "MissingKeyError",
            "EngineUsageError", "RanksBuiltDifferentModelsError", "UnsupportedFeatureError",
@@ -38,6 +38,7 @@ _LAZY = {"initialize": "zeroshard.training", "CheckpointingEngine": "zeroshard.t
          "zero_init": "zeroshard.engine", "ZeroConfig": "zeroshard.engine", "ZeroEngine": "zeroshard.engine",
          "EngineState": "zeroshard.engine.contract", "Checkpointer": "zeroshard.checkpointing",
          "RNGState": "zeroshard.checkpointing", "Stateful": "zeroshard.checkpointing",
+         "TierPolicy": "zeroshard.checkpointing",
          # the offline reader: the toolkit's, no process group and no training core
          "load_state_dict": "zeroshard.toolkit.load", "open_tensors": "zeroshard.toolkit.load"}
 
