@@ -173,9 +173,11 @@ class Report:
         ratios = paired_ratios(b, a) if invert else paired_ratios(a, b)
         return self.ratio_values(name, ratios, label or f"{num} / {den}", target)
 
-    def ratio_values(self, name: str, ratios: Sequence[float], label: str, target: str | None = None) -> dict:
-        """A ratio whose per-repeat values were computed by the bench itself."""
-        entry = {"label": label, "ratios": list(ratios), **summary(ratios), "target": target}
+    def ratio_values(self, name: str, ratios: Sequence[float], label: str, target: str | None = None,
+                     percent: bool = False) -> dict:
+        """A ratio whose per-repeat values were computed by the bench itself (percent: a fraction,
+        printed as 12.3%)."""
+        entry = {"label": label, "ratios": list(ratios), **summary(ratios), "target": target, "percent": percent}
         if target:
             entry["met"] = check(entry["median"], target)
         self.data["ratios"][name] = entry
@@ -213,8 +215,9 @@ class Report:
                          f"{fmt_seconds(r['q3'])} | {r['n']} | | |")
         for r in self.data["ratios"].values():
             met = "" if not r.get("target") else ("MET" if r["met"] else "NOT MET")
-            lines.append(f"| {r['label']} (paired ratio) | {fmt_ratio(r['median'])} | {fmt_ratio(r['q1'])} - "
-                         f"{fmt_ratio(r['q3'])} | {r['n']} | {r.get('target') or ''} | {met} |")
+            f = (lambda x: f"{x:.1%}") if r.get("percent") else fmt_ratio
+            lines.append(f"| {r['label']} (paired ratio) | {f(r['median'])} | {f(r['q1'])} - "
+                         f"{f(r['q3'])} | {r['n']} | {r.get('target') or ''} | {met} |")
         for v in self.data["values"].values():
             met = "" if not v.get("target") else ("MET" if v["met"] else "NOT MET")
             lines.append(f"| {v['label']} | {v['value']:.2f} {v['unit']} | | 1 | {v.get('target') or ''} | {met} |")
