@@ -150,7 +150,8 @@ def main() -> None:
     print(f"{'mode':<6}{'rank':>5}{'params':>14}{'init MiB':>9}{'peak MiB':>10}{'bar MiB':>9}{'ok':>4}"
           f"{'master MiB':>11}{'unit MiB':>9}{'build s':>8}{'init s':>8}{'step s':>8}")
     for r in rows:
-        print(f"{r['mode']:<6}{r['rank']:>5}{r['params']:>14,}{r['peak_init'] / MiB:>9.0f}{r['peak'] / MiB:>10.0f}{r['bar'] / MiB:>9.0f}"
+        print(f"{r['mode']:<6}{r['rank']:>5}{r['params']:>14,}{r['peak_init'] / MiB:>9.0f}"
+              f"{r['peak'] / MiB:>10.0f}{r['bar'] / MiB:>9.0f}"
               f"{'yes' if r['peak'] <= r['bar'] else 'no':>4}{r['master'] / MiB:>11.0f}"
               f"{r['largest_unit'] / MiB:>9.0f}{r['build_s']:>8.1f}{r['init_s']:>8.1f}{r['step_s']:>8.1f}")
     peak = {m: max(r["peak"] for r in rows if r["mode"] == m) for m in modes}
