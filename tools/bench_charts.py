@@ -46,9 +46,9 @@ def chart(data: dict, out: Path) -> bool:
     ax.invert_yaxis()
     ax.set_xlabel("paired ratio: median (dot), IQR (bar), target (tick: green met, red missed); log scale",
                   fontsize=8)
-    scope = textwrap.fill(f"{data['bench']}: {data['scope']}", 120)
-    ax.set_title(f"{scope}\nload average {data['load_before']} -> {data.get('load_after')}, n = {rows[0]['n']} "
-                 f"repeats, {data['started']}", fontsize=7, loc="left")
+    scope = textwrap.fill(f"{data['bench']}: {data['scope']}", 150)
+    fig.suptitle(f"{scope}\nload average {data['load_before']} -> {data.get('load_after')}, n = {rows[0]['n']} "
+                 f"repeats, {data['started']}", fontsize=7, x=0.01, ha="left")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)

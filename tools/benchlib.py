@@ -95,6 +95,44 @@ def fmt_seconds(x: float) -> str:
     return f"{x:.3f} s" if x < 10 else f"{x:.1f} s"
 
 
+def fmt_value(value: float, unit: str) -> str:
+    if unit == "x":
+        return fmt_ratio(value)
+    return f"{value:.{0 if abs(value) >= 100 else 2}f} {unit}".strip()
+
+
+def figures(data: dict) -> list[str]:
+    """Every string a document may quote from one result: medians and quartiles as printed."""
+    out = []
+    for r in data["runs"].values():
+        out += [fmt_seconds(r["median"]), fmt_seconds(r["q1"]), fmt_seconds(r["q3"])]
+    for r in data["ratios"].values():
+        out += [fmt_ratio(r[k]) for k in ("median", "q1", "q3")]
+        out += [f"{r[k]:.1%}" for k in ("median", "q1", "q3")]
+    for v in data["values"].values():
+        out.append(fmt_value(v["value"], v["unit"]))
+    return sorted(set(out))
+
+
+def table(data: dict) -> str:
+    """The markdown table of one result (a Report's data or a result JSON read back)."""
+    lines = [f"scope: {data['scope']} | cache {data['cache']} | load average before {data['load_before']}"
+             + (f", after {data['load_after']}" if "load_after" in data else ""), "",
+             "| measurement | median | IQR (q1 - q3) | n | target | met |", "|---|---:|---:|---:|---|---|"]
+    for r in data["runs"].values():
+        lines.append(f"| {r['label']} | {fmt_seconds(r['median'])} | {fmt_seconds(r['q1'])} - "
+                     f"{fmt_seconds(r['q3'])} | {r['n']} | | |")
+    for r in data["ratios"].values():
+        met = "" if not r.get("target") else ("MET" if r["met"] else "NOT MET")
+        f = (lambda x: f"{x:.1%}") if r.get("percent") else fmt_ratio
+        lines.append(f"| {r['label']} (paired ratio) | {f(r['median'])} | {f(r['q1'])} - "
+                     f"{f(r['q3'])} | {r['n']} | {r.get('target') or ''} | {met} |")
+    for v in data["values"].values():
+        met = "" if not v.get("target") else ("MET" if v["met"] else "NOT MET")
+        lines.append(f"| {v['label']} | {fmt_value(v['value'], v['unit'])} | | 1 | {v.get('target') or ''} | {met} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- running
 
 def interleave(sides: dict[str, Callable[[], float | None]], repeats: int, warmup: int = 1,
@@ -194,34 +232,10 @@ class Report:
         self.data["notes"].append(text)
 
     def figures(self) -> list[str]:
-        """Every string a document may quote from this run: medians and quartiles as printed."""
-        out = []
-        for r in self.data["runs"].values():
-            out += [fmt_seconds(r["median"]), fmt_seconds(r["q1"]), fmt_seconds(r["q3"])]
-        for r in self.data["ratios"].values():
-            out += [fmt_ratio(r[k]) for k in ("median", "q1", "q3")]
-            out += [f"{r[k]:.1%}" for k in ("median", "q1", "q3")]
-        for v in self.data["values"].values():
-            out.append(f"{v['value']:.{0 if abs(v['value']) >= 100 else 2}f} {v['unit']}".strip())
-        return sorted(set(out))
+        return figures(self.data)
 
     def table(self) -> str:
-        lines = [f"scope: {self.data['scope']} | cache {self.data['cache']} | load average before "
-                 f"{self.data['load_before']}" + (f", after {self.data['load_after']}" if "load_after" in self.data
-                                                  else ""), "",
-                 "| measurement | median | IQR (q1 - q3) | n | target | met |", "|---|---:|---:|---:|---|---|"]
-        for r in self.data["runs"].values():
-            lines.append(f"| {r['label']} | {fmt_seconds(r['median'])} | {fmt_seconds(r['q1'])} - "
-                         f"{fmt_seconds(r['q3'])} | {r['n']} | | |")
-        for r in self.data["ratios"].values():
-            met = "" if not r.get("target") else ("MET" if r["met"] else "NOT MET")
-            f = (lambda x: f"{x:.1%}") if r.get("percent") else fmt_ratio
-            lines.append(f"| {r['label']} (paired ratio) | {f(r['median'])} | {f(r['q1'])} - "
-                         f"{f(r['q3'])} | {r['n']} | {r.get('target') or ''} | {met} |")
-        for v in self.data["values"].values():
-            met = "" if not v.get("target") else ("MET" if v["met"] else "NOT MET")
-            lines.append(f"| {v['label']} | {v['value']:.2f} {v['unit']} | | 1 | {v.get('target') or ''} | {met} |")
-        return "\n".join(lines)
+        return table(self.data)
 
     def finish(self, path: str | os.PathLike | None = None) -> Path:
         """Record the load average after, write the JSON (default tools/results/<bench>.json)."""
