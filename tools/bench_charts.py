@@ -1,21 +1,67 @@
 """Charts for docs/BENCHMARKS.md, drawn from the raw JSON the benches wrote (tools/results/*.json).
 
-    python tools/bench_charts.py [--results tools/results] [--out docs/images]
+    python tools/bench_charts.py [--results tools/results] [--out docs/images] [--doc docs/BENCHMARKS.md]
 
 One PNG per result file: every paired ratio as its median (dot) with the inter-quartile range
 (bar), its target (if any) as a tick, so a reader sees the spread, not just a number. Needs
 matplotlib (the `plot` extra: pip install 'zeroshard[plot]'); without it, says so and exits 1.
+With --doc, also rewrites every `<!-- table bench_X -->` ... `<!-- /table -->` block of that
+markdown file with the table tools/benchlib.table() prints for tools/results/bench_X.json, so the
+report's tables are the JSON, never copied by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import benchlib  # noqa: E402
+
+TABLE = re.compile(r"(<!-- table (bench_\w+) -->\n).*?(<!-- /table -->)", re.S)
+TARGETS = re.compile(r"(<!-- targets -->\n).*?(<!-- /targets -->)", re.S)
+
+
+def update_doc(doc: Path, results: Path) -> int:
+    """Refill the doc's table blocks from the JSON; returns how many were filled."""
+    filled = 0
+
+    def fill(m: re.Match) -> str:
+        nonlocal filled
+        path = results / f"{m.group(2)}.json"
+        if not path.exists():
+            return m.group(0)
+        filled += 1
+        data = json.loads(path.read_text())
+        notes = "".join(f"\n{n}\n" for n in data.get("notes", []))
+        return f"{m.group(1)}{benchlib.table(data)}\n{notes}{m.group(3)}"
+
+    text = TABLE.sub(fill, doc.read_text())
+    text = TARGETS.sub(lambda m: f"{m.group(1)}{targets(results)}\n{m.group(2)}", text)
+    doc.write_text(text)
+    return filled
+
+
+def targets(results: Path) -> str:
+    """One row per figure that has a target, over every result file."""
+    rows = ["| bench | figure | median | IQR | target | result |", "|---|---|---:|---:|---|---|"]
+    for path in sorted(results.glob("bench_*.json")):
+        data = json.loads(path.read_text())
+        for r in data["ratios"].values():
+            if r.get("target"):
+                f = (lambda x: f"{x:.1%}") if r.get("percent") else benchlib.fmt_ratio
+                rows.append(f"| {path.stem} | {r['label']} | {f(r['median'])} | {f(r['q1'])} - {f(r['q3'])} | "
+                            f"{r['target']} | {'met' if r['met'] else '**NOT MET**'} |")
+        for v in data["values"].values():
+            if v.get("target"):
+                rows.append(f"| {path.stem} | {v['label']} | {benchlib.fmt_value(v['value'], v['unit'])} | - | "
+                            f"{v['target']} | {'met' if v['met'] else '**NOT MET**'} |")
+    return "\n".join(rows)
 
 
 def chart(data: dict, out: Path) -> bool:
@@ -60,7 +106,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default=str(ROOT / "tools" / "results"))
     p.add_argument("--out", default=str(ROOT / "docs" / "images"))
+    p.add_argument("--doc", default=None, help="refill this markdown file's <!-- table bench_X --> blocks")
     args = p.parse_args(argv)
+    if args.doc:
+        print(f"{args.doc}: {update_doc(Path(args.doc), Path(args.results))} table(s) filled")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
