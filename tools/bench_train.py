@@ -502,6 +502,7 @@ def main(argv=None) -> int:
     results = [by_method[m] for m in methods]
     print_table(results, args)
     rep = report(results, args)
+    rep.data["results"] = results  # per-method detail, as tools/gpu_suite.py reads it
     path = rep.finish(args.json)
     print("\n" + rep.table() + "\n\n" + "\n".join(rep.data["notes"]) + f"\n\nraw JSON: {path}")
     print(f"total {time.perf_counter() - t0:.0f}s")
