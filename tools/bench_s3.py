@@ -279,10 +279,12 @@ def main() -> None:
                 return detail[name][-1]["wall"]
             return run
 
+        load_before = benchlib.loadavg()
         runs = benchlib.interleave({name: side(name) for name in jobs}, args.repeat, warmup=1)
         rep = benchlib.Report("bench_s3", vars(args), scope=(
             f"CPU, {os.cpu_count()} vCPUs, moto S3 server on loopback ({' '.join(flags)}), "
             f"{built['total'] / 1e6:.0f} MB checkpoint, 4 ranks; each command a process"))
+        rep.data["load_before"] = load_before  # the report is made after the runs
         base = "single-stream copy"
         for name, (_, size) in jobs.items():
             rep.runs(name, runs[name], f"{name} ({size / 1e6:.0f} MB copied)")
