@@ -177,12 +177,14 @@ def main() -> None:
         outs[key].mkdir()
         subprocess.run("sync", shell=True)
 
+    load_before = benchlib.loadavg()
     runs = benchlib.interleave({k: side(k) for k in commands}, args.repeat, warmup=1, before_each=clean)
     check_outputs(outs)
     rep = benchlib.Report("bench_consolidate", vars(args), scope=(
         f"CPU, {benchlib.machine()['cores']} vCPUs, GPT {args.n_layer}L/{args.n_embd}d vocab {args.vocab}, "
         f"checkpoints of 2 ranks (zeroshard rank files {weights / 1e6:.0f} MB with AdamW state), fp32 weights out, "
         f"warm page cache, each tool a fresh process"))
+    rep.data["load_before"] = load_before  # the report is made after the runs
     labels = {"zs": "zeroshard consolidate", "ds": "DeepSpeed zero_to_fp32 (safetensors)",
               "dcp": "DCP consolidate_safetensors_files", "cat": "cat of the rank files + sync"}
     for k, label in labels.items():

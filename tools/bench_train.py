@@ -477,7 +477,7 @@ def main(argv=None) -> int:
                     skipped[m] = f"skipped: deepspeed not importable in {args.ds_python} ({why[:80]})"
 
     by_method: dict[str, dict] = {}
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), benchlib.loadavg()
     for rnd in range(args.rounds):
         for m in benchlib.rotated(methods, rnd):
             if m in skipped:
@@ -503,6 +503,7 @@ def main(argv=None) -> int:
     print_table(results, args)
     rep = report(results, args)
     rep.data["results"] = results  # per-method detail, as tools/gpu_suite.py reads it
+    rep.data["load_before"] = load_before  # the report is made after the runs
     path = rep.finish(args.json)
     print("\n" + rep.table() + "\n\n" + "\n".join(rep.data["notes"]) + f"\n\nraw JSON: {path}")
     print(f"total {time.perf_counter() - t0:.0f}s")
