@@ -1,6 +1,6 @@
 """Engine checkpoint benchmark: zeroshard save / load / async save vs raw disk I/O vs tuned FSDP2 + DCP.
 
-    python tools/bench_checkpoint.py                 # small GPT (~4.5M params), 2 ranks, ~2 min
+    python tools/bench_checkpoint.py                 # small GPT (3.7M params), 2 ranks, ~3 min
     python tools/bench_checkpoint.py --n-layer 12 --n-embd 768 --vocab 50304   # GPT-2 small (124M)
 
 One `torchrun --nproc-per-node 2` (gloo, CPU) runs this file with `--worker`. Each rank holds a

@@ -1,6 +1,6 @@
 """Benchmark the toolkit against plain tools doing the same I/O, measured in the same run.
 
-    python tools/bench_toolkit.py                  # 55M params + AdamW (0.66 GB), 10 repeats, ~3 min
+    python tools/bench_toolkit.py                  # 64M params + AdamW (0.77 GB), 10 repeats, ~2 min
     python tools/bench_toolkit.py --params 340M    # ~4.1 GB (quiet machine only)
 
 Builds a synthetic LLM-shaped checkpoint (embedding + transformer blocks) with AdamW state
