@@ -13,10 +13,11 @@ turns its checkpoint into consolidated fp32 safetensors weights, as a fresh proc
 - DeepSpeed zero_to_fp32: convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)
 - DCP: torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files
   (one output file: every tensor mapped to index 1)
-- baseline: `cat` of zeroshard's rank files into one file + `sync`
+- baseline: `cat` of zeroshard's rank files into one file + `sync` (these hold the Adam state too:
+  3x the bytes consolidate writes, so no target is attached; bench_scale holds the 1.2x target)
 
 Reported: median and IQR of the paired time ratios, and each tool's peak RSS (targets: <= 0.5x the
-time and <= 0.25x the peak RSS of both competitors; <= 1.2x cat + sync). Raw JSON:
+time and <= 0.25x the peak RSS of both competitors). Raw JSON:
 tools/results/bench_consolidate.json.
 """
 
@@ -186,11 +187,13 @@ def main() -> None:
         f"warm page cache, each tool a fresh process"))
     rep.data["load_before"] = load_before  # the report is made after the runs
     labels = {"zs": "zeroshard consolidate", "ds": "DeepSpeed zero_to_fp32 (safetensors)",
-              "dcp": "DCP consolidate_safetensors_files", "cat": "cat of the rank files + sync"}
+              "dcp": "DCP consolidate_safetensors_files", "cat": "cat of the rank files (weights + Adam state) + sync"}
     for k, label in labels.items():
         rep.runs(k, runs[k], label)
         rep.value(f"{k}_rss_MiB", rss[k] / 2**20, "MiB", f"{label}: peak RSS")
-    rep.ratio("zs_vs_cat", "zs", "cat", "zeroshard / cat + sync", "<= 1.2")
+    # no target here: cat moves every byte of the rank files (weights AND Adam state, 3x what
+    # consolidate writes); bench_scale's cat row, where the two move the same bytes, holds the 1.2x
+    rep.ratio("zs_vs_cat", "zs", "cat", "zeroshard / cat of all rank files (3x the bytes) + sync")
     for k in ("ds", "dcp"):
         rep.ratio(f"zs_vs_{k}", "zs", k, f"zeroshard / {labels[k]} time", "<= 0.5")
         rep.value(f"zs_vs_{k}_rss", rss["zs"] / rss[k], "x", f"zeroshard / {labels[k]} peak RSS", "<= 0.25")
