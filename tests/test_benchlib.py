@@ -94,5 +94,6 @@ def test_report_json_holds_runs_ratios_machine_load_and_figures(tmp_path):
     assert data["machine"]["cores"] >= 1 and data["machine"]["memory_bytes"] > 0
     assert len(data["load_before"]) == 3 and len(data["load_after"]) == 3
     assert data["cache"] == "warm" and data["runs"]["ours"]["seconds"] == [1.0, 2.0, 3.0]
-    assert {"1.00x", "0.75x", "1.25x", "100.0%", "123 MiB", "2.000 s"} <= set(data["figures"])
+    assert {"1.00x", "0.75x", "1.25x", "100.0%", "123 MiB", "2.000 s", "1.2x", "1.5x"} <= set(data["figures"])
+    assert "0.50x" not in data["figures"]  # the lowest ratio, neither median nor quartile
     assert "NOT MET" in rep.table() and "| 1.00x |" in rep.table()

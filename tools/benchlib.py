@@ -109,6 +109,9 @@ def figures(data: dict) -> list[str]:
     for r in data["ratios"].values():
         out += [fmt_ratio(r[k]) for k in ("median", "q1", "q3")]
         out += [f"{r[k]:.1%}" for k in ("median", "q1", "q3")]
+        if r.get("target"):  # a document may name the target it compares with
+            bound = float(r["target"].split()[1])
+            out.append(f"{bound * 100:g}%" if r.get("percent") else f"{bound:g}x")
     for v in data["values"].values():
         out.append(fmt_value(v["value"], v["unit"]))
     return sorted(set(out))
