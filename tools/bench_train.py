@@ -425,8 +425,9 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
         f"{args.dtype}, global batch {args.batch}, step = median of {args.steps} steps per launch"))
     for m, r in ok.items():
         rep.runs(m, [ms / 1000 for ms in r["step_ms_rounds"]], f"{LABELS[m]}: step")
-    pairs = [(f"zs{k}", "ddp", "<= 1.05" if k in (1, 2) else None) for k in (0, 1, 2)]
-    pairs += [("zs3", "fsdp2", "<= 1.0"), ("fsdp2", "ddp", None)]
+    assessed = n_params >= 50e6  # the targets are written for step times set by compute, not Python
+    pairs = [(f"zs{k}", "ddp", "<= 1.05" if k in (1, 2) and assessed else None) for k in (0, 1, 2)]
+    pairs += [("zs3", "fsdp2", "<= 1.0" if assessed else None), ("fsdp2", "ddp", None)]
     pairs += [(f"ds{k}", "ddp", None) for k in (1, 2, 3)] + [("zs3", "ds3", None)]
     for a, b, target in pairs:
         if a in ok and b in ok and len(ok[a]["step_ms_rounds"]) == len(ok[b]["step_ms_rounds"]):
@@ -439,7 +440,8 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
              "prefetch of the next/previous Block, DeepSpeed overlap_comm + contiguous_gradients.")
     if n_params < 50e6:
         rep.note(f"{n_params / 1e6:.2f}M params is below the 50M the step-time targets are written for: Python "
-                 f"overhead, not compute and communication, dominates these step times.")
+                 f"overhead, not compute and communication, dominates these step times, so no target is "
+                 f"assessed.")
     return rep
 
 
