@@ -25,6 +25,8 @@ repeats that are dropped), interleaved through tools/benchlib.py's rotation, eve
   training loop          --loop-steps steps of each model with no save, and the same loop with an
                          async save issued after the first quarter (zeroshard; DCP thread-async):
                          what the background write costs the steps that run beside it
+  slow storage           with --slow-fsync S: an async save while every os.fsync in the ranks first
+                         sleeps S seconds (injected here, never in the product); blocked must not grow
   cold reads             with --cold (default on when the page cache can be dropped, i.e. root),
                          raw read, zeroshard load and DCP load again right after dropping it
 
@@ -70,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="repeats run first and dropped")
     p.add_argument("--tune-runs", type=int, default=3, help="saves per DCP thread_count while tuning it")
     p.add_argument("--loop-steps", type=int, default=12, help="steps of the training-loop sides (0: skip)")
+    p.add_argument("--slow-fsync", type=float, default=0.0,
+                   help="also time an async save with every fsync first sleeping this many seconds (slow "
+                        "storage, injected in the bench's processes only); blocked time must not grow (0: skip)")
     p.add_argument("--no-dcp", action="store_true", help="skip the FSDP2 + DCP peer")
     p.add_argument("--no-dcp-process", action="store_true", help="skip DCP's process-based async checkpointer")
     p.add_argument("--cold", choices=["auto", "yes", "no"], default="auto",
@@ -328,6 +333,22 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         engine.wait()
         record("zs_async_blocked", blocked)
 
+    def zs_async_slow_fsync(rep: int) -> None:
+        rm(zs_root / "slow")
+        real_fsync = os.fsync
+
+        def slow_fsync(fd: int) -> None:
+            time.sleep(args.slow_fsync)
+            real_fsync(fd)
+
+        os.fsync = slow_fsync
+        try:
+            blocked, _ = timed(lambda: engine.save_checkpoint(str(zs_root), tag="slow", async_save=True))
+            engine.wait()
+        finally:
+            os.fsync = real_fsync
+        record("zs_async_slow_blocked", blocked)
+
     def dcp_async_thread(rep: int) -> None:
         rm(scratch / "dcp-async")
         blocked, fut = timed(lambda: dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-async"),
@@ -413,7 +434,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     has_dcp = fsdp is not None
     writes = [zs_save, raw_save] + ([dcp_save_op] if has_dcp else [])
     asyncs = [zs_async] + ([dcp_async_thread] if has_dcp else []) + \
-        ([dcp_async_process] if has_dcp and stager is not None else [])
+        ([dcp_async_process] if has_dcp and stager is not None else []) + \
+        ([zs_async_slow_fsync] if args.slow_fsync > 0 else [])
     loops = []
     if args.loop_steps:
         loops = [lambda rep: record("loop_zs_plain", loop(zs_step, None)),
@@ -478,7 +500,7 @@ def launch(args: argparse.Namespace, scratch: Path, can_drop: bool) -> dict:
     out = scratch / "result.json"
     forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                if k in ("stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch", "repeats",
-                        "warmup", "tune_runs", "loop_steps")]
+                        "warmup", "tune_runs", "loop_steps", "slow_fsync")]
     forward += [f"--{k.replace('_', '-')}" for k in ("no_dcp", "no_dcp_process", "profile") if getattr(args, k)]
     forward += ["--can-drop"] if can_drop else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -503,6 +525,7 @@ LABELS = {
     "raw_read_cold": "raw read (cold cache)", "zs_load_cold": "zeroshard load (cold cache)",
     "dcp_load_cold": "DCP load (cold cache)", "zs_async_blocked": "zeroshard async: blocked",
     "zs_async_cow": "zeroshard async: copy-on-write of the next step",
+    "zs_async_slow_blocked": "zeroshard async, every fsync slowed (--slow-fsync): blocked",
     "dcp_async_thread_blocked": "DCP async, thread, reused writer + cached staging: blocked",
     "dcp_async_process_blocked": "DCP async, process + async staging: blocked until staged",
     "loop_zs_plain": "zeroshard: loop without save", "loop_zs_async": "zeroshard: loop with async save",
