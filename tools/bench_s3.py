@@ -1,6 +1,6 @@
 """Benchmark zeroshard on S3 against a single-stream copy of the same bytes, in the same run.
 
-    python tools/bench_s3.py [--params 25M] [--repeat 3] [--endpoint http://127.0.0.1:PORT]
+    python tools/bench_s3.py [--params 20M] [--repeat 5] [--all-variants] [--endpoint http://127.0.0.1:PORT]
 
 Starts tools/s3_server.py (moto's S3, in memory, on 127.0.0.1) unless --endpoint is given,
 writes a synthetic checkpoint there (fp32 weights + AdamW state over 4 ranks), then times, each
@@ -21,8 +21,10 @@ of moto's Python, which no client-side concurrency can beat.
 - the same two with concurrency turned off (-S zeroshard_read_ahead=1 -S zeroshard_uploads_in_flight=1),
   to show what the concurrency itself brings.
 
-Throughput is bytes copied (read once and written once) per second; the best round of each is
-reported, with the ratio to the single-stream copy. moto is a Python server: the CPU seconds it
+By default only the copy, consolidate and reshard run (--all-variants adds the rest). Throughput is
+bytes copied (read once and written once) per second; rounds are interleaved (tools/benchlib.py,
+one warm-up round dropped) and the figure is the median and IQR of each round's throughput ratio
+to the single-stream copy; raw JSON in tools/results/bench_s3.json. moto is a Python server: the CPU seconds it
 spent during each run (from /proc) and the machine's load are printed, since on a small machine
 the server, not the client, may set the ceiling.
 """
@@ -40,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import benchlib  # noqa: E402
+
 from bench_toolkit import noise_fill, parse_count  # noqa: E402  (shared with the toolkit bench)
 
 BUCKET = "bench"
@@ -197,8 +201,12 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="25M", help="model size (default 25M: ~300 MB with AdamW state)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds, interleaved; the best of each is reported")
+    parser.add_argument("--params", default="20M", help="model size (default 20M: ~250 MB with AdamW state)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="interleaved rounds after one warm-up (a round costs > 10 s here, so 5)")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="also time the planned-read I/O and the serial (no concurrency) variants")
+    parser.add_argument("--json", default=None, help="result file (default tools/results/bench_s3.json)")
     parser.add_argument("--stock-moto", action="store_true",
                         help="serve ranged GETs as stock moto does (reading the whole object each time)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="server: delay before each request (S3-like)")
@@ -261,30 +269,34 @@ def main() -> None:
             "reshard 4 -> 3, serial": (zs + ["reshard", "-q", "--overwrite", *serial, ckpt, "--to", "3", "-o",
                                              f"s3://{BUCKET}/w3"], built["total"]),
         }
-        runs: dict[str, list[dict]] = {name: [] for name in jobs}
-        loads = []
-        for round_ in range(args.repeat):
-            for name, (cmd, _) in jobs.items():
-                loads.append(os.getloadavg()[0])
-                runs[name].append(timed(cmd, pid))
-                r = runs[name][-1]
-                print(f"  round {round_ + 1}: {name}: {r['wall']:.2f}s (client CPU {r['client_cpu']:.1f}s, "
-                      f"moto CPU {r['server_cpu']:.1f}s) {r['out'].strip()[:80]}", flush=True)
-        best = {name: min(rs, key=lambda r: r["wall"]) for name, rs in runs.items()}
-        base = jobs["single-stream copy"][1] / best["single-stream copy"]["wall"]
-        print("\n| operation | bytes copied | best s | MB/s | vs single-stream copy | client CPU s | moto CPU s | "
-              "moto CPU / wall |")
-        print("|---|---|---|---|---|---|---|---|")
+        if not args.all_variants:
+            jobs = {k: v for k, v in jobs.items() if k in ("single-stream copy", "consolidate", "reshard 4 -> 3")}
+        detail: dict[str, list[dict]] = {name: [] for name in jobs}
+
+        def side(name):
+            def run() -> float:
+                detail[name].append(timed(jobs[name][0], pid))
+                return detail[name][-1]["wall"]
+            return run
+
+        load_before = benchlib.loadavg()
+        runs = benchlib.interleave({name: side(name) for name in jobs}, args.repeat, warmup=1)
+        rep = benchlib.Report("bench_s3", vars(args), scope=(
+            f"CPU, {os.cpu_count()} vCPUs, moto S3 server on loopback ({' '.join(flags)}), "
+            f"{built['total'] / 1e6:.0f} MB checkpoint, 4 ranks; each command a process"))
+        rep.data["load_before"] = load_before  # the report is made after the runs
+        base = "single-stream copy"
         for name, (_, size) in jobs.items():
-            r = best[name]
-            rate = size / r["wall"]
-            print(f"| {name} | {size / 1e6:.0f} MB | {r['wall']:.2f} | {rate / 1e6:.1f} | {rate / base:.2f}x | "
-                  f"{r['client_cpu']:.1f} | {r['server_cpu']:.1f} | {r['server_cpu'] / r['wall']:.0%} |")
-        print(f"\nload average during the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs "
-              f"(other work on the machine included)")
-        ok = all(best[n]["wall"] and jobs[n][1] / best[n]["wall"] >= 2 * base
-                 for n in ("consolidate", "reshard 4 -> 3"))
-        print(f"target (consolidate and reshard >= 2x single-stream copy throughput): {'met' if ok else 'NOT met'}")
+            rep.runs(name, runs[name], f"{name} ({size / 1e6:.0f} MB copied)")
+            if name != base:  # throughput ratio: (bytes / s) over the copy's (bytes / s), per round
+                ratios = [(size / t) / (jobs[base][1] / tb) for t, tb in zip(runs[name], runs[base])]
+                rep.ratio_values(f"{name}_vs_copy", ratios, f"{name} / single-stream copy throughput", ">= 2")
+        for name in jobs:
+            d = detail[name][1:]  # the warm-up round dropped, as in runs
+            rep.value(f"{name}_server_cpu_share", benchlib.quantile([r["server_cpu"] / r["wall"] for r in d], 0.5),
+                      "x", f"{name}: moto CPU seconds / wall seconds (median)")
+        path = rep.finish(args.json)
+        print("\n" + rep.table() + f"\n\nraw JSON: {path}")
     finally:
         if server:
             server.kill()

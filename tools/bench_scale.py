@@ -1,37 +1,29 @@
-"""The toolkit at real world sizes: thousands of ranks, measured against raw copies in the same run.
+"""The toolkit at large world sizes: many ranks, measured against the same I/O done by plain tools.
 
-    python tools/bench_scale.py [--ranks 1024] [--to 1000] [--tensors 300] [--numel 4096]
-                                [--plan-ranks 2048] [--plan-tensors 2100] [--dir /tmp/zs-scale]
-                                [--repeat 3] [--only reshard,consolidate,verify] [--skip-part2]
+    python tools/bench_scale.py            # 256 -> 250 ranks of 100 tiny tensors, 10 repeats, ~2 min
+    python tools/bench_scale.py --ranks 1024 --to 1000 --tensors 300 --plan-ranks 2048 --plan-tensors 2100
 
-Part 1 (issue 7's bars): `--tensors` fp32 tensors of `--numel` elements sharded to `--ranks` ranks
-(tiny fragments: every operation is dominated by per-file and per-fragment costs, the case where a
-tensors x ranks algorithm breaks). Each command runs as its own process, interleaved with its
-baseline, best of `--repeat`:
+Part 1: `--tensors` fp32 tensors of `--numel` elements sharded to `--ranks` ranks (tiny fragments:
+per-file and per-fragment costs dominate, the case where a tensors x ranks algorithm breaks).
+Each command runs as its own process, interleaved with a baseline doing the same I/O
+(tools/benchlib.py: one warm-up repeat, then --repeat repeats, order rotated):
 
-- manifest bytes (bar: <= 1 MB),
-- reshard ranks -> to   vs `cp -r` of the checkpoint + `sync`   (bar: <= 3x),
-- consolidate           vs `cp -r` of the checkpoint + `sync`   (bar: <= 3x; it reads every rank file),
-- verify                vs `cat` of every file to /dev/null      (bar: <= 2x),
-each also with --workers 2. Reported: best and median wall time of the command as a process
-(what the bar is written for), and best in-process time: the same command run by a wrapper that
-imports the CLI and the command's modules first and times only `main()`, so what is fixed
-(interpreter start-up and imports, also shown alone) and what scales with the checkpoint can be
-told apart. The load average is printed before and after: the machine is shared.
+- reshard ranks -> to   vs `cp -r` of the checkpoint + `sync`            (target <= 3x)
+- consolidate           vs `cat` of every rank file into ONE file + `sync` (target <= 1.2x: it reads
+                        every rank file and writes one file, as cat does)
+- verify                vs `cat` of every rank file to /dev/null          (target <= 2x)
 
-Part 2: a synthetic `--plan-ranks`-rank checkpoint of `--plan-tensors` tiny tensors (built by
-resharding a 1-rank one, itself timed): `zeroshard inspect`, and load planning for one rank at
-the same world size (parse the manifest, compute the rank's ranges of every tensor, find and open
-the rank files holding them), each in a fresh process, wall time and peak RSS
-(bars: <= 1 s, <= 200 MiB).
+Reported: the median and IQR of the paired ratios (command / baseline, per repeat), the peak RSS
+of each command, and (--in-process) its time after interpreter start-up and imports.
+Part 2: a `--plan-ranks`-rank checkpoint of `--plan-tensors` tensors: `zeroshard inspect` and load
+planning for one rank, each a fresh process (median seconds; inspect's peak RSS, bar 200 MiB).
+Raw JSON: tools/results/bench_scale.json (--json PATH elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +33,8 @@ from bench_env import use_compiled_bytecode  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import benchlib  # noqa: E402
+
 from bench_toolkit import timed  # noqa: E402  (same measuring: wall, child peak RSS, CPU)
 
 
@@ -90,10 +84,6 @@ def start_up(command: str, repeat: int) -> float:
     return min(timed([sys.executable, "-c", code])[0] for _ in range(repeat))
 
 
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def build(path: Path, tensors: int, numel: int, world: int) -> float:
     """A `world`-rank checkpoint of `tensors` fp32 tensors of `numel` elements; returns build seconds."""
     code = f"""
@@ -138,19 +128,24 @@ print(f"{time.perf_counter() - start:.3f} {pieces} {len(files)}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--to", type=int, default=1000)
-    parser.add_argument("--tensors", type=int, default=300)
+    parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--to", type=int, default=250)
+    parser.add_argument("--tensors", type=int, default=100)
     parser.add_argument("--numel", type=int, default=4096)
-    parser.add_argument("--plan-ranks", type=int, default=2048)
-    parser.add_argument("--plan-tensors", type=int, default=2100)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--plan-ranks", type=int, default=512)
+    parser.add_argument("--plan-tensors", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=10, help="interleaved repeats (after one warm-up)")
+    parser.add_argument("--workers", default="1", help="comma-separated -j values to time (e.g. 1,2)")
+    parser.add_argument("--in-process", action="store_true", help="also time each command after its imports")
     parser.add_argument("--dir", default="/tmp/zs-scale")
+    parser.add_argument("--json", default=None, help="result file (default tools/results/bench_scale.json)")
     parser.add_argument("--skip-part2", action="store_true")
     parser.add_argument("--only", default="reshard,consolidate,verify", help="which part-1 operations to run")
     args = parser.parse_args()
     use_compiled_bytecode()
-    print(load())
+    rep = benchlib.Report("bench_scale", vars(args), scope=(
+        f"CPU, {benchlib.machine()['cores']} vCPUs, local disk (write-cached virtual disk), warm page cache, "
+        f"each command a fresh process (start-up included)"))
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -161,80 +156,71 @@ def main() -> None:
     files = sorted(ckpt.iterdir())
     total = sum(f.stat().st_size for f in files)
     print(f"checkpoint: {args.tensors} x {args.numel} fp32 over {args.ranks} ranks, {len(files)} files, "
-          f"{total / 1e6:.1f} MB (data {args.tensors * args.numel * 4 / 1e6:.1f} MB); built by reshard 1 -> "
-          f"{args.ranks} in {built:.2f} s; manifest {manifest_bytes / 1e3:.1f} kB (bar <= 1000 kB)")
+          f"{total / 1e6:.1f} MB; built by reshard 1 -> {args.ranks} in {built:.2f} s; manifest "
+          f"{manifest_bytes / 1e3:.1f} kB")
+    rep.value("manifest_kB", manifest_bytes / 1e3, "kB", f"manifest of {args.ranks} ranks x {args.tensors} tensors")
 
-    def clean():
-        for p in (copy, out, work / "out.safetensors"):
+    def clean(_name: str = "") -> None:
+        for p in (copy, out, work / "out.safetensors", work / "cat.bin"):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         subprocess.run("sync", shell=True)
 
+    # baselines doing the same I/O as the command: reshard writes a folder of rank files (cp -r),
+    # consolidate writes ONE file from every rank file (cat into one file), verify reads all (cat)
     cases = [
-        (f"reshard {args.ranks} -> {args.to}", 3.0,
+        ("reshard", f"reshard {args.ranks} -> {args.to}", 3.0,
          lambda j: zeroshard("reshard", str(ckpt), "--to", str(args.to), "-o", str(out), "-j", str(j)),
-         f"cp -r {ckpt} {copy} && sync {copy}/*"),
-        ("consolidate", 3.0,
+         f"cp -r {ckpt} {copy} && sync {copy}/*", "cp -r + sync"),
+        ("consolidate", "consolidate", 1.2,
          lambda j: zeroshard("consolidate", str(ckpt), str(work / "out.safetensors"), "-j", str(j)),
-         f"cp -r {ckpt} {copy} && sync {copy}/*"),
-        ("verify", 2.0, lambda j: zeroshard("verify", str(ckpt), "-j", str(j)),
-         f"cat {ckpt}/*.safetensors > /dev/null"),
+         f"cat {ckpt}/*.safetensors > {work}/cat.bin && sync {work}/cat.bin", "cat of the rank files + sync"),
+        ("verify", "verify", 2.0, lambda j: zeroshard("verify", str(ckpt), "-j", str(j)),
+         f"cat {ckpt}/*.safetensors > /dev/null", "cat > /dev/null"),
     ]
-    print("\n| operation | workers | wall s, best (median) | in-process s, best | baseline s, best (median) | "
-          "ratio wall | ratio in-process | bar | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    starts = {}
-    for name, bar, ours, base in cases:
-        if name.split()[0] not in args.only.split(","):
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    rss: dict[str, int] = {}
+    for command, name, bar, ours, base, base_label in cases:
+        if command not in args.only.split(","):
             continue
-        command = name.split()[0]
-        starts[command] = start_up(command, args.repeat)
-        runs: dict[str, list[tuple[float, int]]] = {"1": [], "2": [], "base": []}
-        inner: dict[str, list[float]] = {"1": [], "2": []}
-        for _ in range(args.repeat):
-            for key, cmd in (("1", ours(1)), ("2", ours(2)), ("base", base)):
+
+        def side(cmd, key):
+            def run() -> float:
+                wall, peak, _ = timed(cmd, shell=isinstance(cmd, str))
+                rss[key] = max(rss.get(key, 0), peak)
+                return wall
+            return run
+
+        sides = {f"{command}_j{j}": side(ours(j), f"{command}_j{j}") for j in workers}
+        sides[f"{command}_base"] = side(base, f"{command}_base")
+        runs = benchlib.interleave(sides, args.repeat, warmup=1, before_each=clean)
+        rep.runs(f"{command}_base", runs[f"{command}_base"], f"{base_label} (baseline of {command})")
+        for j in workers:
+            key = f"{command}_j{j}"
+            rep.runs(key, runs[key], f"zeroshard {name}, -j {j}")
+            rep.ratio(f"{key}_vs_base", key, f"{command}_base", f"{name} -j {j} / {base_label}", f"<= {bar:g}")
+            rep.value(f"{key}_rss_MiB", rss[key] / 2**20, "MiB", f"{name} -j {j}: peak RSS")
+            if args.in_process:
                 clean()
-                runs[key].append(timed(cmd, shell=isinstance(cmd, str)))
-                if key != "base":
-                    clean()
-                    inner[key].append(in_process(cmd))
-        baseline = min(w for w, *_ in runs["base"])
-        base_median = statistics.median(w for w, *_ in runs["base"])
-        for key in ("1", "2"):
-            wall = min(w for w, *_ in runs[key])
-            median = statistics.median(w for w, *_ in runs[key])
-            rss = max(r for _, r, *_ in runs[key])
-            own = min(inner[key])
-            print(f"| {name} | {key} | {wall:.2f} ({median:.2f}) | {own:.2f} | {baseline:.2f} ({base_median:.2f}) | "
-                  f"{wall / baseline:.2f}x | {own / baseline:.2f}x | <= {bar:.0f}x | {rss / 2**20:.0f} |")
-    print("\nstart-up alone (interpreter + the command's imports, best): "
-          + ", ".join(f"{c} {s:.2f} s" for c, s in starts.items()))
-    print(load())
+                rep.value(f"{key}_in_process_s", in_process(ours(j)), "s", f"{name} -j {j}: after start-up")
+        rep.value(f"{command}_start_up_s", start_up(command, 3), "s", f"{command}: interpreter + imports alone")
     clean()
     shutil.rmtree(ckpt)
 
-    if args.skip_part2:
-        return
-    big = work / "plan"
-    built = build(big, args.plan_tensors, args.plan_ranks, args.plan_ranks)  # one element per rank
-    size = sum(f.stat().st_size for f in big.iterdir())
-    print(f"\ncheckpoint: {args.plan_tensors} tensors over {args.plan_ranks} ranks ({size / 1e6:.0f} MB, manifest "
-          f"{(big / 'zeroshard.json').stat().st_size / 1e3:.0f} kB), built by reshard 1 -> {args.plan_ranks} "
-          f"in {built:.1f} s")
-    print("\n| step | wall s | peak RSS MiB | bars |\n|---|---|---|---|")
-    wall, rss, _ = min(timed(zeroshard("inspect", str(big), "--json")) for _ in range(args.repeat))
-    print(f"| zeroshard inspect | {wall:.2f} | {rss / 2**20:.0f} | <= 1 s, <= 200 MiB |")
-    for rank in (0, args.plan_ranks // 2):
-        results = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", PLAN_ONE_RANK, str(big), str(rank)], capture_output=True,
-                                  text=True, check=True)
-            results.append((time.perf_counter() - start, proc.stdout.split()))
-        wall, (inner, pieces, nfiles) = min(results)
-        _, rss, _ = timed([sys.executable, "-c", PLAN_ONE_RANK, str(big), str(rank)])
-        print(f"| load planning, rank {rank} ({pieces} ranges in {nfiles} file(s)) | {wall:.2f} (in-process "
-              f"{float(inner):.2f}) | {rss / 2**20:.0f} | <= 1 s, <= 200 MiB |")
+    if not args.skip_part2:
+        big = work / "plan"
+        build(big, args.plan_tensors, args.plan_ranks, args.plan_ranks)  # one element per rank
+        runs = benchlib.interleave({
+            "inspect": lambda: timed(zeroshard("inspect", str(big), "--json"))[0],
+            "plan_rank0": lambda: timed([sys.executable, "-c", PLAN_ONE_RANK, str(big), "0"])[0],
+        }, args.repeat, warmup=1)
+        rep.runs("inspect", runs["inspect"], f"zeroshard inspect, {args.plan_ranks} ranks x {args.plan_tensors} "
+                                             f"tensors (process)")
+        rep.runs("plan_rank0", runs["plan_rank0"], "load planning for rank 0 (process)")
+        rep.value("inspect_rss_MiB", timed(zeroshard("inspect", str(big), "--json"))[1] / 2**20, "MiB",
+                  "zeroshard inspect: peak RSS", "<= 200")
     shutil.rmtree(work, ignore_errors=True)
+    path = rep.finish(args.json)
+    print("\n" + rep.table() + f"\n\nraw JSON: {path}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
-"""Benchmark the toolkit against a raw copy of the same bytes, measured in the same run.
+"""Benchmark the toolkit against plain tools doing the same I/O, measured in the same run.
 
-    python tools/bench_toolkit.py [--params 340M] [--dir /tmp/zs-bench] [--keep]
+    python tools/bench_toolkit.py                  # 64M params + AdamW (0.77 GB), 10 repeats, ~2 min
+    python tools/bench_toolkit.py --params 340M    # ~4.1 GB (quiet machine only)
 
 Builds a synthetic LLM-shaped checkpoint (embedding + transformer blocks) with AdamW state
-(fp32 weights, exp_avg, exp_avg_sq, step) over 4 ranks, then times, each as its own process:
+(fp32 weights, exp_avg, exp_avg_sq, step) over 4 ranks, then times, each as its own process and
+interleaved with its baseline (tools/benchlib.py: one warm-up, then --repeat repeats):
 
-- consolidate (weights only) vs `cp` of a file of the consolidated size, with 1 and 2 workers,
-- reshard 4 -> 16 (1 and 2 workers) and 4 -> 3 vs `cp` of the whole checkpoint,
+- consolidate (weights only) vs `cp` of a file of the consolidated size + `sync`, -j 1 and 2,
+- reshard 4 -> 16 and 4 -> 3 vs `cp -r` of the whole checkpoint + `sync`,
 - verify (reads and hashes everything) vs `cat` of the whole checkpoint to /dev/null,
 
-and reports each one's peak RSS against the largest tensor. zeroshard fsyncs every file it
-commits (a checkpoint must survive a crash), so the copies are timed with `sync` of their
-outputs too; the plain `cp` time is shown beside. Page cache is warm for both sides.
+and reports the median and IQR of the paired ratios (target <= 1.3x), CPU-second ratios, and each
+command's peak RSS against the largest tensor + 512 MiB. zeroshard fsyncs every file it commits,
+so the copies are synced too. Page cache is warm for both sides. Raw JSON:
+tools/results/bench_toolkit.json (--json PATH elsewhere).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import uuid
 from pathlib import Path
 
 from bench_env import use_compiled_bytecode  # tools/, beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402  (tools/, beside this script)
 
 # The measuring process imports nothing heavy: a child's peak RSS as the kernel reports it
 # (wait4's ru_maxrss) includes what the parent held when it forked that child.
@@ -128,9 +134,11 @@ def own_rss() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="340M", help="model size (default 340M: ~4.1 GB with Adam state)")
+    parser.add_argument("--params", default="50M", help="model size (at least the 51M-param embedding; 340M: ~4.1 GB)")
     parser.add_argument("--dir", default="/tmp/zs-bench", help="scratch folder (needs ~3x the checkpoint size)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement, interleaved; the best is reported")
+    parser.add_argument("--repeat", type=int, default=10, help="interleaved repeats after one warm-up")
+    parser.add_argument("--workers", default="1,2", help="comma-separated -j values for consolidate")
+    parser.add_argument("--json", default=None, help="result file (default tools/results/bench_toolkit.json)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--build-only", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -142,67 +150,65 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ckpt = work / "ckpt"
-    t = time.perf_counter()
     built = subprocess.run([sys.executable, __file__, "--build-only", str(ckpt), "--params", args.params],
                            check=True, capture_output=True, text=True, cwd=ROOT)
     n_params, total, largest = json.loads(built.stdout)
+    rep = benchlib.Report("bench_toolkit", vars(args), scope=(
+        f"CPU, {benchlib.machine()['cores']} vCPUs, {n_params / 1e6:.0f}M params + AdamW state over 4 ranks = "
+        f"{total / 1e9:.2f} GB, local write-cached virtual disk, warm page cache, each command a process"))
     print(f"checkpoint: {n_params / 1e6:.0f}M params with AdamW state, 4 ranks, {total / 1e9:.2f} GB "
-          f"(largest tensor {largest / 2**20:.0f} MiB), built in {time.perf_counter() - t:.1f}s")
+          f"(largest tensor {largest / 2**20:.0f} MiB)")
 
     def rm(*paths):
-        return lambda: [shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-                        for p in paths]
+        def clean(_name: str = "") -> None:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            subprocess.run("sync", shell=True)
+        return clean
 
-    def pair(ours, ours_cleanup, base, base_cleanup, plain):
-        """Interleave zeroshard and baseline runs (the disk's speed drifts); best of each."""
-        runs_ours, runs_base, runs_plain = [], [], []
-        for _ in range(args.repeat):
-            for runs, cmd, cleanup in ((runs_ours, ours, ours_cleanup), (runs_base, base, base_cleanup),
-                                       (runs_plain, plain, base_cleanup)):
-                cleanup()
-                subprocess.run("sync", shell=True)
-                runs.append(timed(cmd, shell=isinstance(cmd, str)))
-        def best(runs):  # the fastest run's wall and CPU seconds, the highest peak RSS
-            fastest = min(runs)
-            return fastest[0], max(r[1] for r in runs), fastest[2]
+    rss: dict[str, int] = {}
+    cpu: dict[str, list[float]] = {}
 
-        return best(runs_ours), best(runs_base), best(runs_plain)
+    def side(key, cmd):
+        def run() -> float:
+            wall, peak, used = timed(cmd, shell=isinstance(cmd, str))
+            rss[key] = max(rss.get(key, 0), peak)
+            cpu.setdefault(key, []).append(used)
+            return wall
+        return run
 
     out, copy = work / "model.safetensors", work / "copy"
     subprocess.run(zeroshard("consolidate", str(ckpt), str(out)), check=True)
-    cons_size = out.stat().st_size
     same = work / "same.bin"
     shutil.copyfile(out, same)
-    rows = []
-    for workers in ("1", "2"):
-        rows.append((f"consolidate (weights), -j {workers}", cons_size, *pair(
-            zeroshard("consolidate", str(ckpt), str(out), "-j", workers), rm(out),
-            f"cp {same} {copy} && sync {copy}", rm(copy), f"cp {same} {copy}")))
-    for to, workers in ((16, "1"), (16, "2"), (3, "1")):
+    # (name, our command, baseline, baseline label, files to delete before every run)
+    groups = [(f"consolidate_j{j}", f"consolidate (weights) -j {j}",
+               zeroshard("consolidate", str(ckpt), str(out), "-j", j),
+               f"cp {same} {copy} && sync {copy}", "cp of a file of the same size + sync", (out, copy))
+              for j in args.workers.split(",")]
+    for to in (16, 3):
         target = work / f"w{to}"
-        rows.append((f"reshard 4 -> {to}, -j {workers}", total, *pair(
-            zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite", "-j", workers),
-            rm(target), f"cp -r {ckpt} {copy} && sync {copy}/*", rm(copy), f"cp -r {ckpt} {copy}")))
-        shutil.rmtree(target, ignore_errors=True)
-    for workers in ("1", "2"):
-        rows.append((f"verify (read + hash all), -j {workers}", total, *pair(
-            zeroshard("verify", str(ckpt), "-j", workers), rm(), f"cat {ckpt}/*.safetensors > /dev/null", rm(),
-            f"cat {ckpt}/*.safetensors > /dev/null")))
-
+        groups.append((f"reshard_4_{to}", f"reshard 4 -> {to}",
+                       zeroshard("reshard", str(ckpt), "--to", str(to), "-o", str(target), "--overwrite"),
+                       f"cp -r {ckpt} {copy} && sync {copy}/*", "cp -r + sync", (target, copy)))
+    groups.append(("verify", "verify (read + hash all)", zeroshard("verify", str(ckpt)),
+                   f"cat {ckpt}/*.safetensors > /dev/null", "cat > /dev/null", ()))
     limit = largest + 512 * 2**20
-    print("\n| operation | bytes | zeroshard s | raw copy s (cp+sync) | ratio | cp alone s | "
-          "CPU s: zeroshard / copy | peak RSS MiB | RSS target MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    ok = True
-    for name, size, (wall, rss, cpu), (base, _, base_cpu), (plain, _, _) in rows:
-        ratio = wall / base
-        ok &= ratio <= 1.3 and rss <= limit
-        print(f"| {name} | {size / 1e9:.2f} GB | {wall:.2f} | {base:.2f} | {ratio:.2f}x | {plain:.2f} | "
-              f"{cpu:.2f} / {base_cpu:.2f} | {rss / 2**20:.0f} | {limit / 2**20:.0f} |")
-    print(f"\n(peak RSS of a child includes the {own_rss() / 2**20:.0f} MiB of the measuring process at fork)")
-    print(f"targets (wall <= 1.3x raw copy, peak RSS <= largest tensor + 512 MiB): {'met' if ok else 'NOT met'}")
+    for key, label, ours, base, base_label, outputs in groups:
+        runs = benchlib.interleave({key: side(key, ours), f"{key}_base": side(f"{key}_base", base)},
+                                   args.repeat, warmup=1, before_each=rm(*outputs))
+        rep.runs(key, runs[key], f"zeroshard {label}")
+        rep.runs(f"{key}_base", runs[f"{key}_base"], f"{base_label} (baseline of {label})")
+        rep.ratio(f"{key}_vs_base", key, f"{key}_base", f"{label} / {base_label}", "<= 1.3")
+        rep.value(f"{key}_rss_MiB", rss[key] / 2**20, "MiB", f"{label}: peak RSS", f"<= {limit / 2**20:.0f}")
+        rep.ratio_values(f"{key}_cpu_vs_base", benchlib.paired_ratios(cpu[key][1:], cpu[f"{key}_base"][1:]),
+                         f"{label}: CPU seconds / baseline's")
+    rep.note(f"peak RSS of a child includes the {own_rss() / 2**20:.0f} MiB of the measuring process at fork; "
+             f"RSS target: largest tensor ({largest / 2**20:.0f} MiB) + 512 MiB")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+    path = rep.finish(args.json)
+    print("\n" + rep.table() + "\n\n" + "\n".join(rep.data["notes"]) + f"\n\nraw JSON: {path}")
 
 
 if __name__ == "__main__":
