@@ -37,22 +37,19 @@ from zeroshard.engine.agreement import agree_on_build
 from zeroshard.engine.collectives import all_reduce, broadcast, ensure_process_group
 from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.contract import EngineState
+from zeroshard.engine.grad_strategy import GradSharding, grad_sharding_for
 from zeroshard.engine.layout import ParamShard, ShardInfo, build_shards
 from zeroshard.engine.meta_init import MetaInit, check_initializable, has_meta
 from zeroshard.engine.offload import master_device
 from zeroshard.engine.optim import build_optimizer, check_user_optimizer
 from zeroshard.engine.param_gather import ParamRefresh
-from zeroshard.engine.param_offload import ResidentTier, choose_tier
+from zeroshard.engine.param_offload import ResidentTier
 from zeroshard.engine.param_offload import check_path as check_offload_path
+from zeroshard.engine.param_strategy import ParamResidency, param_residency_for
 from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
-from zeroshard.engine.reducer import GradReducer
 from zeroshard.engine.stage3 import Stage3
 from zeroshard.errors import ArgumentTypeError, EngineUsageError, InvalidArgumentError
 from zeroshard.peers import peer_loss_translated
-
-_UNGATHERED = ("a stage-3 parameter was used while not gathered: every parameter must be used inside "
-               "the forward of a module that holds it (its unit). Use it through that module, or make "
-               "an enclosing module one unit (zero_optimization.stage3_unit_classes)")
 
 
 def _weak_grad_hook(engine: "ZeroEngine", shard: ParamShard) -> Callable[[torch.Tensor], None]:
@@ -141,8 +138,13 @@ class ZeroEngine:
         self.stage = config.stage
         self.gradient_accumulation_steps = config.resolve_accumulation(self.world_size)
         self.compute_dtype = config.compute_dtype
-        self.shard_world_size = 1 if self.stage == 0 else self.world_size
-        self.shard_rank = 0 if self.stage == 0 else self.rank
+        # The one place the stage is read: it picks a strategy per concern (grad_strategy.py,
+        # param_strategy.py); everything below delegates to them instead of branching.
+        grad_cls: type[GradSharding] = grad_sharding_for(self.stage)
+        param_cls: type[ParamResidency] = param_residency_for(self.stage)
+        partitioned = param_cls.partitioned
+        self.shard_world_size = self.world_size if grad_cls.partitioned else 1
+        self.shard_rank = self.rank if grad_cls.partitioned else 0
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._backward_done = self._in_backward = self._reducing = False
@@ -151,17 +153,17 @@ class ZeroEngine:
         self.group = dist.group.WORLD
         # Meta-built model: real tensors replace the meta ones; values come from materialize(),
         # here at stages 0-2 (whole model), after sharding at stage 3 (module by module).
-        meta = MetaInit(module, device, storage=self.stage < 3) if has_meta(module) else None
+        meta = MetaInit(module, device, storage=not partitioned) if has_meta(module) else None
         if meta is not None:
             meta.remap_optimizer(optimizer)
-            if self.stage < 3:
+            if not partitioned:
                 meta.materialize(init_fn, lambda p, value: p.data.copy_(value), device, self.group)
         self.module = module.to(device)
         # Separate groups so gradient reductions and parameter gathers launched from hooks
         # never need a common order with each other, only among themselves.
         self._rs_group = dist.new_group()
         self._ag_group = dist.new_group()
-        self._broadcast_from_rank0(params=meta is None or self.stage < 3)
+        self._broadcast_from_rank0(params=meta is None or not partitioned)
 
         # offload_optimizer: masters (so gradient shards and optimizer state) in host memory.
         self.master_device, pin = master_device(config, device)
@@ -170,28 +172,22 @@ class ZeroEngine:
                                                      pending=meta.pending if meta is not None else ())
         self._trainable = [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
-        self._cast_module()
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
-        self._stage3 = Stage3(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
-                              z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate,
-                              device) if self.stage == 3 else None
-        if meta is not None and self.stage == 3:
+        self._params = param_cls(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
+                                 config, device)
+        self._stage3, self._refresh = self._params.scheduler, self._params.refresh  # diagnostics
+        if meta is not None and partitioned:
             meta.materialize(init_fn, self._set_master, device, self.group)
             self._broadcast_from_rank0(params=False)
         # offload_param (stage 3): where the partitions the gathers read live (param_offload.py).
-        self.param_tier: ResidentTier = choose_tier(z.offload_param, self._stage3, self.compute_dtype,
-                                                    device, self.rank)
+        self.param_tier: ResidentTier = self._params.tier(z.offload_param, self.rank)
         self.optimizer = build_optimizer(optimizer, self.shards)
         self.scaler = LossScaler(config.fp16)
-        self.reducer = GradReducer(self._trainable, self.shard_world_size, self._rs_group,
-                                   all_reduce=self.stage == 0, reduce_dtype=config.reduce_dtype,
-                                   bucket_elems=int(z.reduce_bucket_size), overlap=z.overlap_comm,
-                                   device=device)
+        self._grads = grad_cls(self._trainable, self.world_size, self._rs_group, config.reduce_dtype,
+                               int(z.reduce_bucket_size), z.overlap_comm, device)
+        self.reducer = self._grads.reducer
         self._hooks = [s.param.register_post_accumulate_grad_hook(_weak_grad_hook(self, s))
                        for s in self._trainable]
-        # Stages 1-2: updated params are gathered asynchronously, each module waiting in its forward.
-        self._refresh = ParamRefresh(module, self._trainable, self.compute_dtype, self.world_size, self._ag_group,
-                                     int(z.allgather_bucket_size), device) if self.stage in (1, 2) else None
         self.reset_comm_report()
 
     # -- set-up helpers ------------------------------------------------------------------------
@@ -209,15 +205,6 @@ class ZeroEngine:
         s = self._shard_by_param[id(param)]
         s.master[: s.owned].copy_(value.reshape(-1)[s.start: s.end])
 
-    def _cast_module(self) -> None:
-        """Module params to the compute dtype (the masters already hold the fp32 values)."""
-        with torch.no_grad():
-            for s in self.shards:
-                if self.stage < 3:
-                    s.param.data = s.param.data.to(self.compute_dtype).contiguous()
-                    if self.stage == 0 and self.compute_dtype == torch.float32:
-                        s.master = s.param.data.view(-1)  # fp32 DDP: no separate master copy
-
     # -- training ----------------------------------------------------------------------------
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
@@ -225,24 +212,7 @@ class ZeroEngine:
         """Run the module (floating inputs cast to the compute dtype)."""
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
-        if self._stage3 is None:
-            try:
-                return self.module(*args, **kwargs)
-            finally:
-                self.wait_params()  # parameters this forward did not touch
-        self._stage3.begin_forward()
-        try:
-            return self.module(*args, **kwargs)
-        except RuntimeError as e:
-            self._stage3.release_all()
-            if "storage of size 0" in str(e):
-                raise EngineUsageError(_UNGATHERED) from e
-            raise
-        except BaseException:
-            self._stage3.release_all()
-            raise
-        finally:
-            self._stage3.end_forward()
+        return self._params.forward(lambda: self.module(*args, **kwargs))
 
     __call__ = forward
 
@@ -257,28 +227,22 @@ class ZeroEngine:
             raise ArgumentTypeError("engine.backward expects the scalar loss tensor")
         if not loss.requires_grad:
             raise EngineUsageError("the loss does not require grad (was forward run under torch.no_grad?)")
-        self._reducing = self.stage >= 2 or self.is_gradient_accumulation_boundary()
+        self._reducing = self._grads.reducing(self.is_gradient_accumulation_boundary())
         if self._reducing:
             self.reducer.begin()
-        if self._stage3 is not None:
-            self._stage3.begin_backward()
+        self._params.begin_backward()
         factor = self.scaler.scale / self.gradient_accumulation_steps
         self._in_backward = True
         try:
             (loss.float() * factor if factor != 1.0 else loss).backward()
         except BaseException as e:
-            if self._stage3 is not None:
-                self._stage3.release_all()
-                if isinstance(e, RuntimeError) and "storage of size 0" in str(e):
-                    raise EngineUsageError(_UNGATHERED + " (in backward: was a unit's output modified "
-                                       "in place? use out-of-place ops on unit outputs)") from e
+            self._params.backward_failed(e)  # may raise a clearer error in its place
             raise
         finally:
             self._in_backward = False
         if self._reducing:
             self.reducer.finish()
-        if self._stage3 is not None:
-            self._stage3.end_backward()
+        self._params.end_backward()
         self._backward_done = True
 
     def _on_grad(self, shard: ParamShard, param: torch.Tensor) -> None:
@@ -290,8 +254,7 @@ class ZeroEngine:
             return  # stages 0/1 between boundaries: keep accumulating in .grad
         self.reducer.grad_ready(shard, param.grad)
         param.grad = None
-        if self._stage3 is not None:
-            self._stage3.grad_done(shard)
+        self._params.grad_done(shard)
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def step(self) -> None:
@@ -342,21 +305,14 @@ class ZeroEngine:
 
     def _refresh_params(self) -> None:
         """Copy updated masters into the module params (all-gathered at stages 1 and 2)."""
-        if self.stage == 0:
-            with torch.no_grad():
-                for s in self._trainable:
-                    if s.master.data_ptr() != s.param.data.data_ptr():
-                        s.param.data.copy_(s.master.view(s.shape))
-        elif self._refresh is not None:
-            self._refresh.start()  # completed by the next forward's module pre-hooks (param_gather.py)
+        self._params.after_step(self._trainable)
         self.param_tier.update()  # offload_param: the partitions follow the masters
 
     def wait_params(self) -> None:
         """Stages 1-2: finish the parameter all-gathers still in flight after step(), so that
         `engine.module`'s parameters hold the updated weights. The engine's own forward and
         state methods call it; call it before reading the module's parameters yourself."""
-        if self._refresh is not None:
-            self._refresh.finish()
+        self._params.wait()
 
     # -- small conveniences --------------------------------------------------------------------
 
