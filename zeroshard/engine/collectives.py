@@ -28,23 +28,23 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 # Every collective the engine issues goes through these four, which count it (comm_ledger.py).
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    LEDGER.record("all_gather", out.numel(), out.element_size())
+    LEDGER.record("all_gather", out.numel(), out.element_size(), group)
     return _all_gather(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    LEDGER.record("reduce_scatter", inp.numel(), inp.element_size())
+    LEDGER.record("reduce_scatter", inp.numel(), inp.element_size(), group)
     return _reduce_scatter(out, inp, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    LEDGER.record("all_reduce", tensor.numel(), tensor.element_size())
+    LEDGER.record("all_reduce", tensor.numel(), tensor.element_size(), group)
     return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any) -> Any:
     """`src` is a global rank, as torch.distributed.broadcast takes it."""
-    LEDGER.record("broadcast", tensor.numel(), tensor.element_size())
+    LEDGER.record("broadcast", tensor.numel(), tensor.element_size(), group)
     return dist.broadcast(tensor, src=src, group=group)
 
 

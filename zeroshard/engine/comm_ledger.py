@@ -13,11 +13,21 @@ broadcast. What one rank sends over a ring follows from it (the ZeRO paper's acc
 so data parallelism moves 2Ψ per rank per step, ZeRO stages 1 and 2 the same 2Ψ (reduce-scatter
 the gradients, all-gather the updated parameters) and stage 3 3Ψ (parameters gathered for the
 forward and again for the backward). One ledger per process: engines read differences of it.
+
+Node crossings: with ranks laid out node by node (`node_size` ranks per node, as torchrun
+numbers them; the engine sets it from LOCAL_WORLD_SIZE, else zero_hpz_partition_size), a ring
+over a group's ranks in rank order sends the same bytes on every hop, so the bytes that cross a
+node boundary, averaged over the group's ranks, are `sent * crossing hops / group size` (a
+broadcast: payload * (nodes spanned - 1) / group size). Each collective is recorded with its own
+group's size, so hpZ's in-node gathers (size node_size) and cross-node ones count as they run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
 
 RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
 
@@ -27,20 +37,56 @@ class LedgerEntry:
     calls: int = 0
     payload_bytes: int = 0
     payload_elements: int = 0
+    sent_elements: float = 0.0  # what one rank sends, by the ring formulas at the group's size
+    sent_bytes: float = 0.0
+    cross_node_elements: float = 0.0  # of which across a node boundary (averaged over the group)
+    cross_node_bytes: float = 0.0
 
 
 @dataclass
 class CommLedger:
     entries: dict[str, LedgerEntry] = field(default_factory=dict)
 
-    def record(self, kind: str, elements: int, element_size: int) -> None:
+    node_size: int = 0  # ranks per node (0: one node)
+    _groups: dict[tuple[int, bool], tuple[Any, int, float]] = field(default_factory=dict)
+
+    def set_node_size(self, node_size: int) -> None:
+        if node_size != self.node_size:
+            self.node_size, self._groups = node_size, {}
+
+    def _shape(self, kind: str, group: Any) -> tuple[int, float]:
+        """(group size, fraction of one rank's sent bytes that crosses a node, on average)."""
+        if group is None or not dist.is_initialized():
+            return 1, 0.0
+        key = (id(group), kind == "broadcast")  # a broadcast's fraction is a different quantity
+        cached = self._groups.get(key)
+        if cached is None or cached[0] is not group:
+            ranks = sorted(dist.get_process_group_ranks(group))
+            nodes = [r // self.node_size if self.node_size else 0 for r in ranks]
+            n = len(ranks)
+            if kind == "broadcast":
+                fraction = (len(set(nodes)) - 1) / n
+            else:
+                fraction = sum(nodes[i] != nodes[(i + 1) % n] for i in range(n)) / n if n > 1 else 0.0
+            cached = self._groups[key] = (group, n, fraction)
+        return cached[1], cached[2]
+
+    def record(self, kind: str, elements: int, element_size: int, group: Any = None) -> None:
         entry = self.entries.setdefault(kind, LedgerEntry())
         entry.calls += 1
         entry.payload_elements += elements
         entry.payload_bytes += elements * element_size
+        size, crossing = self._shape(kind, group)
+        sent = sent_per_rank(kind, elements, size)
+        entry.sent_elements += sent
+        entry.sent_bytes += sent * element_size
+        across = sent * crossing if kind != "broadcast" else elements * crossing
+        entry.cross_node_elements += across
+        entry.cross_node_bytes += across * element_size
 
     def snapshot(self) -> dict[str, LedgerEntry]:
-        return {kind: LedgerEntry(e.calls, e.payload_bytes, e.payload_elements) for kind, e in self.entries.items()}
+        return {kind: LedgerEntry(e.calls, e.payload_bytes, e.payload_elements, e.sent_elements, e.sent_bytes,
+                                  e.cross_node_elements, e.cross_node_bytes) for kind, e in self.entries.items()}
 
 
 LEDGER = CommLedger()
@@ -55,22 +101,24 @@ def sent_per_rank(kind: str, payload: float, world: int) -> float:
     return RING_FACTOR[kind] * payload * (world - 1) / world
 
 
+_FIELDS = ("calls", "payload_bytes", "payload_elements", "sent_bytes", "sent_elements",
+           "cross_node_bytes", "cross_node_elements")
+
+
 def report(since: dict[str, LedgerEntry], steps: int, world: int) -> dict[str, dict[str, float]]:
-    """Per optimizer step, by kind: calls, payload bytes and elements, and what one rank sends
-    (bytes and elements) by the ring formulas above; `total` sums the kinds."""
+    """Per optimizer step, by kind: calls, payload bytes and elements, what one rank sends (bytes
+    and elements) by the ring formulas above at each collective's group size, and of that what
+    crosses a node boundary (cross_node_*); `total` sums the kinds. `world` is kept for callers;
+    the group sizes come from the collectives themselves."""
     now = LEDGER.snapshot()
     per_step = max(steps, 1)
     out: dict[str, dict[str, float]] = {}
-    total = dict.fromkeys(["calls", "payload_bytes", "payload_elements", "sent_bytes", "sent_elements"], 0.0)
+    total = dict.fromkeys(_FIELDS, 0.0)
     for kind, entry in sorted(now.items()):
         before = since.get(kind, LedgerEntry())
-        row = {"calls": (entry.calls - before.calls) / per_step,
-               "payload_bytes": (entry.payload_bytes - before.payload_bytes) / per_step,
-               "payload_elements": (entry.payload_elements - before.payload_elements) / per_step}
+        row = {f: (getattr(entry, f) - getattr(before, f)) / per_step for f in _FIELDS}
         if not row["calls"]:
             continue
-        row["sent_bytes"] = sent_per_rank(kind, row["payload_bytes"], world)
-        row["sent_elements"] = sent_per_rank(kind, row["payload_elements"], world)
         out[kind] = row
         for key in total:
             total[key] += row[key]

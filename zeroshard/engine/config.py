@@ -70,6 +70,9 @@ class ZeroOptimizationConfig:
     unit_predicate: Callable[[torch.nn.Module], bool] | None = field(default=None, compare=False)
     offload_optimizer: dict[str, Any] | None = None
     offload_param: dict[str, Any] | None = None
+    # Stage 3, ZeRO++ hpZ: ranks per secondary parameter partition (ranks of one node); the
+    # forward/backward gathers stay inside it (1: off). See engine/hpz.py.
+    zero_hpz_partition_size: int = 1
 
 
 @dataclass
@@ -141,6 +144,14 @@ class ZeroConfig:
             if int(getattr(z, key)) < 1:
                 raise ConfigError(f"zero_optimization.{key} must be >= 1")
         check_param_offload(z.offload_param, z.stage)
+        hpz = z.zero_hpz_partition_size
+        if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+            raise ConfigError(f"zero_optimization.zero_hpz_partition_size must be an integer >= 1, got {hpz!r}")
+        if hpz > 1 and z.stage != 3:
+            raise ConfigError("zero_optimization.zero_hpz_partition_size > 1 (hpZ) needs stage 3")
+        if hpz > 1 and (z.offload_param or {}).get("device", "none") not in (None, "none"):
+            raise ConfigError("zero_optimization.zero_hpz_partition_size > 1 with offload_param is not supported: "
+                              "hpZ keeps its secondary partition on the device")
         spec = z.offload_optimizer or {}
         unknown = sorted(set(spec) - {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path"})
         if unknown:

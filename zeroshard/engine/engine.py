@@ -141,14 +141,19 @@ class ZeroEngine:
         # The one place the stage is read: it picks a strategy per concern (grad_strategy.py,
         # param_strategy.py); everything below delegates to them instead of branching.
         grad_cls: type[GradSharding] = grad_sharding_for(self.stage)
-        param_cls: type[ParamResidency] = param_residency_for(self.stage)
+        z = config.zero_optimization
+        param_cls: type[ParamResidency] = param_residency_for(self.stage, z.zero_hpz_partition_size,
+                                                              self.world_size)
         partitioned = param_cls.partitioned
         self.shard_world_size = self.world_size if grad_cls.partitioned else 1
         self.shard_rank = self.rank if grad_cls.partitioned else 0
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._backward_done = self._in_backward = self._reducing = False
-        z = config.zero_optimization
+        # Ranks per node, so the ledger can tell which collectives cross nodes (comm_ledger.py);
+        # without torchrun's LOCAL_WORLD_SIZE, hpZ's partition size, else one node (0).
+        hpz = z.zero_hpz_partition_size
+        comm_ledger.LEDGER.set_node_size(int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (hpz if hpz > 1 else 0))
 
         self.group = dist.group.WORLD
         # Meta-built model: real tensors replace the meta ones; values come from materialize(),

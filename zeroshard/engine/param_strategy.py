@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from zeroshard.engine.hpz import HpzStage3
 from zeroshard.engine.layout import ParamShard
 from zeroshard.engine.param_gather import ParamRefresh
 from zeroshard.engine.param_offload import ResidentTier, choose_tier
@@ -159,5 +160,19 @@ class Partitioned(ParamResidency):
         return self.scheduler.inflight_bytes()
 
 
-def param_residency_for(stage: int) -> type[ParamResidency]:
+class Hierarchical(Partitioned):
+    """Stage 3 with hpZ: the unit gathers run inside the node (hpz.py)."""
+
+    def _scheduler(self, module: nn.Module, shards: list[ParamShard], dtype: torch.dtype, world: int,
+                   group: Any, z: Any, device: torch.device) -> Stage3:
+        return HpzStage3(module, shards, dtype, world, z.zero_hpz_partition_size, int(z.allgather_bucket_size),
+                         z.stage3_prefetch, z.stage3_unit_classes, z.unit_predicate, device)
+
+    def tier(self, spec: Mapping[str, Any] | None, rank: int) -> ResidentTier:
+        return self.scheduler.tier  # the secondary partition (config.py refuses offload_param with it)
+
+
+def param_residency_for(stage: int, hpz_size: int = 1, world: int = 1) -> type[ParamResidency]:
+    if stage == 3 and 1 < hpz_size < world:
+        return Hierarchical  # hpz_size == world is one node: plain stage 3
     return {0: Replicated, 3: Partitioned}.get(stage, Regathered)

@@ -145,8 +145,7 @@ class Stage3:
         if gather is not None:
             self.stats["prefetch_hits"] += 1
         elif any(need):
-            gather = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=False,
-                                  device=self.device, fill=partial(self.tier.fill, unit.index))
+            gather = self._start(unit, async_op=False)
             self.stats["gathers"] += 1
         if gather is not None:
             with torch.no_grad():
@@ -172,9 +171,13 @@ class Stage3:
 
     def _prefetch(self, unit: Unit) -> None:
         if not unit.held and unit.prefetch is None:
-            unit.prefetch = start_gather(unit.shards, self.dtype, self.world, self.group, async_op=True,
-                                         device=self.device, fill=partial(self.tier.fill, unit.index))
+            unit.prefetch = self._start(unit, async_op=True)
             self.stats["prefetches"] += 1
+
+    def _start(self, unit: Unit, async_op: bool) -> Gather:
+        """The all-gather of one unit's full parameters (hpz.py gathers them within the node)."""
+        return start_gather(unit.shards, self.dtype, self.world, self.group, async_op=async_op,
+                            device=self.device, fill=partial(self.tier.fill, unit.index))
 
     def _advance(self, unit: Unit) -> None:
         """Record the order (first pass of its kind), or follow it and prefetch the next unit."""
