@@ -130,3 +130,11 @@ def test_partition_size_must_divide_the_world() -> None:
 def test_config_refusals(zero: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         zeroshard.ZeroConfig.coerce({"zero_optimization": zero})
+
+
+def test_deepspeed_config_key_reaches_the_engine() -> None:
+    from zeroshard.deepspeed.config import split_config
+
+    split = split_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                          "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, world=4)
+    assert zeroshard.ZeroConfig.coerce(split.engine).zero_optimization.zero_hpz_partition_size == 2
