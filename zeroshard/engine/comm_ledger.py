@@ -46,30 +46,22 @@ class LedgerEntry:
 @dataclass
 class CommLedger:
     entries: dict[str, LedgerEntry] = field(default_factory=dict)
-
     node_size: int = 0  # ranks per node (0: one node)
-    _groups: dict[tuple[int, bool], tuple[Any, int, float]] = field(default_factory=dict)
 
     def set_node_size(self, node_size: int) -> None:
-        if node_size != self.node_size:
-            self.node_size, self._groups = node_size, {}
+        self.node_size = node_size
 
     def _shape(self, kind: str, group: Any) -> tuple[int, float]:
-        """(group size, fraction of one rank's sent bytes that crosses a node, on average)."""
+        """(group size, fraction of one rank's sent bytes that crosses a node, on average).
+        Not cached: a cache would hold process groups (and their gloo threads) alive."""
         if group is None or not dist.is_initialized():
             return 1, 0.0
-        key = (id(group), kind == "broadcast")  # a broadcast's fraction is a different quantity
-        cached = self._groups.get(key)
-        if cached is None or cached[0] is not group:
-            ranks = sorted(dist.get_process_group_ranks(group))
-            nodes = [r // self.node_size if self.node_size else 0 for r in ranks]
-            n = len(ranks)
-            if kind == "broadcast":
-                fraction = (len(set(nodes)) - 1) / n
-            else:
-                fraction = sum(nodes[i] != nodes[(i + 1) % n] for i in range(n)) / n if n > 1 else 0.0
-            cached = self._groups[key] = (group, n, fraction)
-        return cached[1], cached[2]
+        ranks = sorted(dist.get_process_group_ranks(group))
+        nodes = [r // self.node_size if self.node_size else 0 for r in ranks]
+        n = len(ranks)
+        if kind == "broadcast":
+            return n, (len(set(nodes)) - 1) / n
+        return n, sum(nodes[i] != nodes[(i + 1) % n] for i in range(n)) / n
 
     def record(self, kind: str, elements: int, element_size: int, group: Any = None) -> None:
         entry = self.entries.setdefault(kind, LedgerEntry())
