@@ -138,3 +138,22 @@ def test_deepspeed_config_key_reaches_the_engine() -> None:
     split = split_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, world=4)
     assert zeroshard.ZeroConfig.coerce(split.engine).zero_optimization.zero_hpz_partition_size == 2
+
+
+def zero_init_run(rank: int, world: int) -> dict[str, list[float]]:
+    from test_engine_meta import build
+
+    out = {}
+    for name, hpz in (("stage3", 1), ("hpz", 2)):
+        model = build("plain", "zero_init")  # built on meta, materialized unit by unit after sharding
+        assert any(p.is_meta for p in model.parameters())
+        engine = zeroshard.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                      {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": hpz}})
+        out[name] = [train_step(engine, b, rank, world, 1) for b in batches(3, 16)]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hpz_under_zero_init_matches_stage3() -> None:
+    for r in run_ranks(zero_init_run, 4, timeout=240, env=TWO_NODES):
+        assert r["stage3"] == pytest.approx(r["hpz"], rel=1e-5, abs=1e-6)
