@@ -337,7 +337,8 @@ def deepspeed_run(rank: int, world: int, zero: dict[str, Any]) -> dict[str, Any]
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     losses = [train_step(engine, b, rank, world, 2) for b in batches(STEPS, 8 * world)]
     return {"losses": losses, "kind": engine.engine.param_tier.kind, "getters": (
-        engine.zero_offload_param(), engine.zero_offload_optimizer(), engine.zero_cpu_offload())}
+        engine.zero_offload_param(), engine.zero_offload_optimizer(), engine.zero_cpu_offload(),
+        engine.zero_hpz_partition_size())}
 
 
 def test_deepspeed_initialize_offloads_params_to_nvme(tmp_path: Path) -> None:
@@ -345,7 +346,7 @@ def test_deepspeed_initialize_offloads_params_to_nvme(tmp_path: Path) -> None:
     nvme = run_ranks(deepspeed_run, 2, timeout=240, zero={
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "cpu_offload": True})[0]
     assert plain["kind"] == "none" and nvme["kind"] == "nvme"
-    assert plain["getters"] == (None, None, False)  # DeepSpeed's getters answer what the config turned on
+    assert plain["getters"] == (None, None, False, 1)  # DeepSpeed's getters answer what the config turned on
     assert nvme["getters"][0]["device"] == "nvme" and nvme["getters"][1]["device"] == "cpu" and nvme["getters"][2]
     for a, b in zip(nvme["losses"], plain["losses"]):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)

@@ -292,6 +292,10 @@ class DeepSpeedEngine(nn.Module):
         spec = map_offload(self._zero_config()).get("offload_param")
         return spec if spec and spec.get("device", "none") != "none" else None
 
+    def zero_hpz_partition_size(self) -> int:
+        """ZeRO++'s secondary partition size (1: off), as the config gives it."""
+        return int(self._zero_config().get("zero_hpz_partition_size", 1) or 1)
+
     def zero_cpu_offload(self) -> bool:
         return (self.zero_offload_optimizer() or {}).get("device") == "cpu"
 
