@@ -77,8 +77,11 @@ def test_choose_takes_the_newest_checkpoint_every_rank_has_a_verified_copy_of():
     assert choice.skipped == ["step-00000006 has no verified copy of the file(s) of rank(s) 1"]
     choice = choose(found, held, 2, durable_step=5)  # the durable root is newer than step 4
     assert choice.candidate is None and "older than the durable step 5" in choice.skipped[1]
-    choice = choose([[_cand(8, world=4)], []], [{}, {}], 2, None)
-    assert choice.candidate is None and "world size 4, not 2" in choice.skipped[0]
+    c8 = _cand(8, world=4)  # saved by 4 ranks, recovered by 2: chosen when its 4 files survive
+    choice = choose([[c8], []], [{"id8": [0, 1, 2, 3]}, {}], 2, None)
+    assert choice.candidate == c8 and choice.holders == {r: [0] for r in range(4)}
+    choice = choose([[c8], []], [{"id8": [0, 1, 3]}, {}], 2, None)
+    assert choice.candidate is None and "rank(s) 2" in choice.skipped[0]
 
 
 def test_a_node_that_lost_its_folder_fetches_its_files_and_then_the_manifest():
@@ -92,6 +95,16 @@ def test_a_node_that_lost_its_folder_fetches_its_files_and_then_the_manifest():
     assert [n[5:10] for n, _, _, _ in fetch_plan(choice, nodes, [True, False], keeps)] == [
         "00000", "00001", "00002", "00003", "hard."]
     assert fetch_plan(Choice(c, {r: [0, 1] for r in range(4)}), nodes, [True, True], keeps) == []
+
+
+def test_at_a_new_world_size_each_node_gathers_every_old_file_and_keeps_no_stale_replicas():
+    c = _cand(6, world=6)  # 3 nodes x 2 ranks saved it; node 2 was lost, 2 nodes x 1 rank go on
+    holders = {0: [0], 1: [0], 2: [1], 3: [1], 4: [0], 5: [1]}  # each survivor: its own + the lost node's
+    plan = fetch_plan(Choice(c, holders), [[0], [1]], [True, True])
+    assert sorted((n[5:10], src, dst) for n, _, src, dst in plan) == [
+        ("00000", 0, 1), ("00001", 0, 1), ("00002", 1, 0), ("00003", 1, 0), ("00004", 0, 1), ("00005", 1, 0)]
+    keeps = replica_targets(["a", "b"], 1)  # of the new world's files: nothing to restore from old ones
+    assert fetch_plan(Choice(c, holders), [[0], [1]], [True, True], keeps) == plan
 
 
 def _fill(folder: Path, tag: str, nbytes: int, manifest: bool = True) -> None:
@@ -256,6 +269,28 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
         assert f"durable tier: {durable} (step 4); memory tier skipped: step-00000006 has no verified copy of " \
                f"the file(s) of rank(s) 2, 3" in line, line
     assert _hashes(durable) == before  # nothing the memory tier did touched the durable root
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_node_and_the_job_goes_on_with_fewer_ranks_from_the_surviving_copies(tmp_path):
+    mem, durable = tmp_path / "shm", tmp_path / "durable"
+    policy = {"memory_every": 2, "durable_every": 4}
+    run_ranks(train, 4, timeout=300, env=HOST_ENV, steps=4, per_node=2, mem=str(mem), durable=str(durable),
+              policy=policy)
+    before = _hashes(durable)
+    shutil.rmtree(mem / "nodeB")  # node B is gone; its 2 ranks' files survive as node A's replicas
+    memory = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=2, mem=str(mem),
+                       durable=str(durable))
+    # the same step resumed at 2 ranks from the durable root (an empty memory tier: nothing else)
+    plain = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=2, mem=str(tmp_path / "none"),
+                      durable=str(durable))
+    for (start, losses, line), (start2, losses2, line2) in zip(memory, plain):
+        assert "memory tier: step-00000004 (step 4), every file from its own node, resharded from world size " \
+               "4 to 2" in line, line
+        assert f"durable tier: {durable} (step 4)" in line2, line2
+        assert start == start2 == 4 and sorted(losses) == [4, 5, 6]
+        assert losses == losses2  # bit for bit (float.hex)
+    assert _hashes(durable) == before
 
 
 def test_a_memory_file_that_fails_its_hashes_as_it_is_read_falls_back_to_durable(tmp_path):
