@@ -290,6 +290,15 @@ def test_a_lost_node_and_the_job_goes_on_with_fewer_ranks_from_the_surviving_cop
         assert f"durable tier: {durable} (step 4)" in line2, line2
         assert start == start2 == 4 and sorted(losses) == [4, 5, 6]
         assert losses == losses2  # bit for bit (float.hex)
+    # 2 ranks on 2 nodes again, node B's folder empty: it fetches every old file from node A
+    shutil.rmtree(mem / "nodeB", ignore_errors=True)
+    fetched = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=1, mem=str(mem),
+                        durable=str(durable))
+    for (start, losses, line), (_, losses2, _) in zip(fetched, plain):
+        assert "step-00000004 (step 4), 4 file(s) fetched from peer nodes, resharded from world size 4 to 2" \
+               in line, line
+        assert start == 4 and losses == losses2
+    assert _hashes(mem / "nodeB" / "step-00000004") == _hashes(mem / "nodeA" / "step-00000004")
     assert _hashes(durable) == before
 
 
