@@ -63,6 +63,30 @@ def test_replicas_go_to_other_nodes_and_survive_losing_r_nodes():
         assert len({hosts[d] for d in dsts}) == 2 and hosts[rank] not in {hosts[d] for d in dsts}
 
 
+def test_copies_go_to_another_failure_domain_when_one_exists(monkeypatch):
+    hosts = ["a", "b", "c", "d"]  # one rank per node; racks: {a, b} and {c, d}
+    racks = ["r1", "r1", "r2", "r2"]
+    assert replica_targets(hosts, 1) == {0: [1], 1: [2], 2: [3], 3: [0]}  # no domains: node order
+    targets = replica_targets(hosts, 1, racks)
+    assert all(racks[d] != racks[r] for r, dsts in targets.items() for d in dsts), targets
+    assert sorted(d for dsts in targets.values() for d in dsts) == [0, 1, 2, 3]  # one copy kept per node
+    hosts = [f"n{i}" for i in range(6)]  # 3 racks of 2 nodes, 2 copies: the 3 racks hold each file
+    racks = ["r1", "r1", "r2", "r2", "r3", "r3"]
+    for rank, dsts in replica_targets(hosts, 2, racks).items():
+        assert len({racks[d] for d in dsts} | {racks[rank]}) == 3, (rank, dsts)
+    hosts = ["a", "b", "c"]  # racks {a, b} and {c}: c, alone in r2, keeps the copies of a and b
+    targets = replica_targets(hosts, 1, ["r1", "r1", "r2"])
+    assert targets[0] == [2] and targets[1] == [2] and targets[2] in ([0], [1])
+    assert replica_targets(["a", "b"], 1, ["r1", "r1"]) == {0: [1], 1: [0]}  # one domain: other nodes still
+    hosts, racks = ["a", "a", "b", "b", "c", "c", "d", "d"], ["r1"] * 4 + ["r2"] * 4  # ranks on nodes
+    targets = replica_targets(hosts, 1, racks)
+    assert all(racks[d] != racks[r] and hosts[d] != hosts[r] for r, dsts in targets.items() for d in dsts)
+    monkeypatch.setenv("ZEROSHARD_DOMAIN", "rack-7")
+    assert TierPolicy().domain_name("n1") == "rack-7" and TierPolicy(domain="r").domain_name("n1") == "r"
+    monkeypatch.delenv("ZEROSHARD_DOMAIN")
+    assert TierPolicy().domain_name("n1") == "n1"
+
+
 def _cand(step: int, world: int = 2, buffers: bool = False) -> Candidate:
     return Candidate(f"id{step}", f"step-{step:08d}", step, world,
                      tuple((r, f"rank-{r:05d}-of-{world:05d}.safetensors", 10, "h") for r in range(world)), buffers)

@@ -126,8 +126,8 @@ def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]
 
 
 def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts: list[str], replicas: int,
-            durable: str | None, storage_options: dict | None,
-            load: Callable[[str, dict | None], Any]) -> tuple[Any, str, Callable[[], None] | None]:
+            durable: str | None, storage_options: dict | None, load: Callable[[str, dict | None], Any],
+            domains: list[str] | None = None) -> tuple[Any, str, Callable[[], None] | None]:
     """Load from the best tier with `load(path, storage_options)` (collective); returns its result,
     the log line, and what is left to restore the replicas (for the caller's background thread)."""
     lead = lead_of(hosts, rank) == rank
@@ -158,7 +158,8 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     c = choice.candidate
     if c is not None:
         try:
-            fetched, heal = _fetch(c, choice, nodes, found, rank, folder, replica_targets(hosts, replicas), group)
+            keeps = replica_targets(hosts, replicas, domains)
+            fetched, heal = _fetch(c, choice, nodes, found, rank, folder, keeps, group)
             result = load(folder.tag_folder(c.tag).url, None)
             where = f"{fetched} file(s) fetched from peer nodes" if fetched else "every file from its own node"
             if c.world_size != world_size:
