@@ -208,13 +208,13 @@ def _baselines(rank: int, world: int, rank_files: Path, shm: Path, disk: Path, a
     for where, path in places.items():
         def writer(path: str = path) -> Any:
             if path.startswith("s3://"):
-                from torch.distributed.checkpoint import FsspecWriter
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
                 return FsspecWriter(path, sync_files=False)
             return dcp.FileSystemWriter(path)
 
         def reader(path: str = path) -> Any:
             if path.startswith("s3://"):
-                from torch.distributed.checkpoint import FsspecReader
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
                 return FsspecReader(path)
             return dcp.FileSystemReader(path)
 
@@ -237,21 +237,15 @@ def _nvidia(rank: int, world: int, state: dict, shm: Path, timed: Callable[..., 
     """NVIDIA Resiliency Extension's LocalCheckpointManager (0.4.1), shimmed for CPU: its
     BasicTensorAwareStateDict asserts every tensor is_cuda (skipped here) and moves tensors back
     to CUDA after a load (a no-op here); its save is synchronous (async needs CUDA streams).
-    R=1: no replication; R=2: CliqueReplicationStrategy, replication_jump 1, factor 2 (the 2 nodes)."""
-    try:
-        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
-    except ImportError:
+    R=1: no replication; R=2: CliqueReplicationStrategy, replication_jump 1, factor 2 (the 2 nodes).
+    gloo cannot broadcast uint64, so a uint64 tensor goes to it viewed as int64 (the same bytes)."""
+    import torch
+
+    state = {k: v.view(torch.int64) if v.dtype == torch.uint64 else v for k, v in state.items()}
+    if OnCPU is None:
         return [], []
-
-    class OnCPU(BasicTensorAwareStateDict):
-        def __init__(self, state_dict: dict) -> None:  # the shim: no is_cuda assertion
-            self.state_dict = state_dict
-            self._is_hollow = False
-
-        def restore_tensor_device(self, non_blocking: bool = True) -> None:  # the shim: stays on CPU
-            pass
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 
     plain = LocalCheckpointManager(str(shm / "nv1"), session_id="bench")
     clique = LocalCheckpointManager(str(shm / "nv2"), session_id="bench",
@@ -269,6 +263,27 @@ def _nvidia(rank: int, world: int, state: dict, shm: Path, timed: Callable[..., 
         plain.find_latest()
         timed("NVIDIA load", lambda: plain.load()[0].restore_tensor_device())
     return [save(plain, "NVIDIA save R=1"), save(clique, "NVIDIA save R=2 (clique)")], [load]
+
+
+def _on_cpu() -> Any:
+    """NVIDIA's BasicTensorAwareStateDict shimmed for CPU (module level: its manager pickles it)."""
+    try:
+        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+    except ImportError:
+        return None
+
+    class OnCPU(BasicTensorAwareStateDict):
+        def __init__(self, state_dict: dict) -> None:  # the shim: no is_cuda assertion
+            self.state_dict = state_dict
+            self._is_hollow = False
+
+        def restore_tensor_device(self, non_blocking: bool = True) -> None:  # the shim: stays on CPU
+            pass
+    OnCPU.__qualname__ = "OnCPU"
+    return OnCPU
+
+
+OnCPU = _on_cpu()
 
 
 def smaller(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
