@@ -21,9 +21,24 @@ after a barrier; the table gives the median over the reps and [min, max]:
   then its replicas back  the rest of node B's folder (the replicas it keeps), on the background
                         thread after the load (timed here by wait(); training could run meanwhile)
   load local disk       Checkpointer.load(disk checkpoint) (a warm page cache: the file was just written)
+  load S3 (zeroshard)   Checkpointer.load(s3://...) from tools/s3_server.py (moto, in memory, --lean-ranges)
+  DCP save/load X       torch.distributed.checkpoint save / load of the same tensors (each rank's rank
+                        file as safetensors reads it) to tmpfs, the local disk, S3 (FsspecWriter, s3fs)
+  NVIDIA save R=1 / R=2, NVIDIA load   nvidia-resiliency-ext 0.4.1's LocalCheckpointManager on tmpfs,
+                        the same tensors, shimmed for CPU (see _nvidia); run only when it imports: it
+                        installs with no dependencies into a venv that sees this one's packages:
+      python -m venv /tmp/nvre && echo $VIRTUAL_ENV_SITE_PACKAGES > /tmp/nvre/lib/python3.11/site-packages/x.pth
+      /tmp/nvre/bin/pip install --no-deps nvidia-resiliency-ext==0.4.1 nvidia-ml-py pynvml defusedxml \
+          -c tools/constraints.txt          # (never let pip resolve torch: it would pull a CUDA one)
+      /tmp/nvre/bin/python tools/bench_recovery.py ...
 
-Then the ratios the issue asks about. Losses are not compared here (tests/test_memory_tier.py
-does that bit for bit). NVIDIA's local checkpointing, DCP and S3 baselines are not run here.
+Then a 1-rank job on node A (node B lost), paired and interleaved: the load of the 2-rank memory
+checkpoint resharded to 1 rank from node A's copies, a load of a memory checkpoint saved at 1 rank
+(the same-world-size memory load), a local-disk load. Then restart to first step: a fresh 2-rank
+job spawned (Python start, torch import, process group, engine), its load (memory tier, local
+disk, S3), one step: the wall-clock time from the spawn to the end of that step, sources
+interleaved. Ratios the issue asks about close the report. Losses are not compared here
+(tests/test_memory_tier.py does that bit for bit).
 """
 
 from __future__ import annotations
