@@ -27,7 +27,8 @@ after a barrier; the table gives the median over the reps and [min, max]:
   NVIDIA save R=1 / R=2, NVIDIA load   nvidia-resiliency-ext 0.4.1's LocalCheckpointManager on tmpfs,
                         the same tensors, shimmed for CPU (see _nvidia); run only when it imports: it
                         installs with no dependencies into a venv that sees this one's packages:
-      python -m venv /tmp/nvre && echo $VIRTUAL_ENV_SITE_PACKAGES > /tmp/nvre/lib/python3.11/site-packages/x.pth
+      python -m venv /tmp/nvre && python -c "import site; print(site.getsitepackages()[0])" \
+          > /tmp/nvre/lib/python3.11/site-packages/this-venv.pth
       /tmp/nvre/bin/pip install --no-deps nvidia-resiliency-ext==0.4.1 nvidia-ml-py pynvml defusedxml \
           -c tools/constraints.txt          # (never let pip resolve torch: it would pull a CUDA one)
       /tmp/nvre/bin/python tools/bench_recovery.py ...
