@@ -63,6 +63,30 @@ def test_replicas_go_to_other_nodes_and_survive_losing_r_nodes():
         assert len({hosts[d] for d in dsts}) == 2 and hosts[rank] not in {hosts[d] for d in dsts}
 
 
+def test_copies_go_to_another_failure_domain_when_one_exists(monkeypatch):
+    hosts = ["a", "b", "c", "d"]  # one rank per node; racks: {a, b} and {c, d}
+    racks = ["r1", "r1", "r2", "r2"]
+    assert replica_targets(hosts, 1) == {0: [1], 1: [2], 2: [3], 3: [0]}  # no domains: node order
+    targets = replica_targets(hosts, 1, racks)
+    assert all(racks[d] != racks[r] for r, dsts in targets.items() for d in dsts), targets
+    assert sorted(d for dsts in targets.values() for d in dsts) == [0, 1, 2, 3]  # one copy kept per node
+    hosts = [f"n{i}" for i in range(6)]  # 3 racks of 2 nodes, 2 copies: the 3 racks hold each file
+    racks = ["r1", "r1", "r2", "r2", "r3", "r3"]
+    for rank, dsts in replica_targets(hosts, 2, racks).items():
+        assert len({racks[d] for d in dsts} | {racks[rank]}) == 3, (rank, dsts)
+    hosts = ["a", "b", "c"]  # racks {a, b} and {c}: c, alone in r2, keeps the copies of a and b
+    targets = replica_targets(hosts, 1, ["r1", "r1", "r2"])
+    assert targets[0] == [2] and targets[1] == [2] and targets[2] in ([0], [1])
+    assert replica_targets(["a", "b"], 1, ["r1", "r1"]) == {0: [1], 1: [0]}  # one domain: other nodes still
+    hosts, racks = ["a", "a", "b", "b", "c", "c", "d", "d"], ["r1"] * 4 + ["r2"] * 4  # ranks on nodes
+    targets = replica_targets(hosts, 1, racks)
+    assert all(racks[d] != racks[r] and hosts[d] != hosts[r] for r, dsts in targets.items() for d in dsts)
+    monkeypatch.setenv("ZEROSHARD_DOMAIN", "rack-7")
+    assert TierPolicy().domain_name("n1") == "rack-7" and TierPolicy(domain="r").domain_name("n1") == "r"
+    monkeypatch.delenv("ZEROSHARD_DOMAIN")
+    assert TierPolicy().domain_name("n1") == "n1"
+
+
 def _cand(step: int, world: int = 2, buffers: bool = False) -> Candidate:
     return Candidate(f"id{step}", f"step-{step:08d}", step, world,
                      tuple((r, f"rank-{r:05d}-of-{world:05d}.safetensors", 10, "h") for r in range(world)), buffers)
@@ -77,8 +101,11 @@ def test_choose_takes_the_newest_checkpoint_every_rank_has_a_verified_copy_of():
     assert choice.skipped == ["step-00000006 has no verified copy of the file(s) of rank(s) 1"]
     choice = choose(found, held, 2, durable_step=5)  # the durable root is newer than step 4
     assert choice.candidate is None and "older than the durable step 5" in choice.skipped[1]
-    choice = choose([[_cand(8, world=4)], []], [{}, {}], 2, None)
-    assert choice.candidate is None and "world size 4, not 2" in choice.skipped[0]
+    c8 = _cand(8, world=4)  # saved by 4 ranks, recovered by 2: chosen when its 4 files survive
+    choice = choose([[c8], []], [{"id8": [0, 1, 2, 3]}, {}], 2, None)
+    assert choice.candidate == c8 and choice.holders == {r: [0] for r in range(4)}
+    choice = choose([[c8], []], [{"id8": [0, 1, 3]}, {}], 2, None)
+    assert choice.candidate is None and "rank(s) 2" in choice.skipped[0]
 
 
 def test_a_node_that_lost_its_folder_fetches_its_files_and_then_the_manifest():
@@ -92,6 +119,16 @@ def test_a_node_that_lost_its_folder_fetches_its_files_and_then_the_manifest():
     assert [n[5:10] for n, _, _, _ in fetch_plan(choice, nodes, [True, False], keeps)] == [
         "00000", "00001", "00002", "00003", "hard."]
     assert fetch_plan(Choice(c, {r: [0, 1] for r in range(4)}), nodes, [True, True], keeps) == []
+
+
+def test_at_a_new_world_size_each_node_gathers_every_old_file_and_keeps_no_stale_replicas():
+    c = _cand(6, world=6)  # 3 nodes x 2 ranks saved it; node 2 was lost, 2 nodes x 1 rank go on
+    holders = {0: [0], 1: [0], 2: [1], 3: [1], 4: [0], 5: [1]}  # each survivor: its own + the lost node's
+    plan = fetch_plan(Choice(c, holders), [[0], [1]], [True, True])
+    assert sorted((n[5:10], src, dst) for n, _, src, dst in plan) == [
+        ("00000", 0, 1), ("00001", 0, 1), ("00002", 1, 0), ("00003", 1, 0), ("00004", 0, 1), ("00005", 1, 0)]
+    keeps = replica_targets(["a", "b"], 1)  # of the new world's files: nothing to restore from old ones
+    assert fetch_plan(Choice(c, holders), [[0], [1]], [True, True], keeps) == plan
 
 
 def _fill(folder: Path, tag: str, nbytes: int, manifest: bool = True) -> None:
@@ -256,6 +293,37 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
         assert f"durable tier: {durable} (step 4); memory tier skipped: step-00000006 has no verified copy of " \
                f"the file(s) of rank(s) 2, 3" in line, line
     assert _hashes(durable) == before  # nothing the memory tier did touched the durable root
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_node_and_the_job_goes_on_with_fewer_ranks_from_the_surviving_copies(tmp_path):
+    mem, durable = tmp_path / "shm", tmp_path / "durable"
+    policy = {"memory_every": 2, "durable_every": 4}
+    run_ranks(train, 4, timeout=300, env=HOST_ENV, steps=4, per_node=2, mem=str(mem), durable=str(durable),
+              policy=policy)
+    before = _hashes(durable)
+    shutil.rmtree(mem / "nodeB")  # node B is gone; its 2 ranks' files survive as node A's replicas
+    memory = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=2, mem=str(mem),
+                       durable=str(durable))
+    # the same step resumed at 2 ranks from the durable root (an empty memory tier: nothing else)
+    plain = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=2, mem=str(tmp_path / "none"),
+                      durable=str(durable))
+    for (start, losses, line), (start2, losses2, line2) in zip(memory, plain):
+        assert "memory tier: step-00000004 (step 4), every file from its own node, resharded from world size " \
+               "4 to 2" in line, line
+        assert f"durable tier: {durable} (step 4)" in line2, line2
+        assert start == start2 == 4 and sorted(losses) == [4, 5, 6]
+        assert losses == losses2  # bit for bit (float.hex)
+    # 2 ranks on 2 nodes again, node B's folder empty: it fetches every old file from node A
+    shutil.rmtree(mem / "nodeB", ignore_errors=True)
+    fetched = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=7, per_node=1, mem=str(mem),
+                        durable=str(durable))
+    for (start, losses, line), (_, losses2, _) in zip(fetched, plain):
+        assert "step-00000004 (step 4), 4 file(s) fetched from peer nodes, resharded from world size 4 to 2" \
+               in line, line
+        assert start == 4 and losses == losses2
+    assert _hashes(mem / "nodeB" / "step-00000004") == _hashes(mem / "nodeA" / "step-00000004")
+    assert _hashes(durable) == before
 
 
 def test_a_memory_file_that_fails_its_hashes_as_it_is_read_falls_back_to_durable(tmp_path):

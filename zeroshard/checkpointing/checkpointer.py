@@ -61,7 +61,9 @@ class Checkpointer:
         self.tiers = tiers
         self.last_recovery = ""  # the log line of the last load with tiers: which tier and step, and why
         if tiers is not None:  # the memory tier (tiers.py): this node's folder, and every rank's node
-            self._hosts = [str(h) for h in gather_all(host_name(), self.group, action="setting up the memory tier")]
+            where = gather_all((host_name(), tiers.domain_name(host_name())), self.group,
+                               action="setting up the memory tier")
+            self._hosts, self._domains = [str(h) for h, _ in where], [str(d) for _, d in where]
             self.memory = MemoryFolder(tiers.root(), host_name())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -147,7 +149,8 @@ class Checkpointer:
         job, background = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
         error = None
         try:
-            need = node_bytes(job.contents.specs, engine.world_size, self._hosts, tiers.replicas, engine.rank)
+            need = node_bytes(job.contents.specs, engine.world_size, self._hosts, tiers.replicas, engine.rank,
+                              self._domains)
             check_fits(self.memory, job.tag, tiers.memory_keep_last, need, tiers.memory_cap_bytes,
                        tiers.min_free_fraction)
         except Exception as exc:
@@ -180,7 +183,7 @@ class Checkpointer:
     def _memory_save(self, job: SaveJob, drain: SaveJob | None) -> None:
         tiers = self._tiers()
         manifest = write_memory_checkpoint(job, self.memory, self._hosts, tiers.replicas, tiers.memory_keep_last,
-                                           self.group)
+                                           self.group, self._domains)
         if drain is not None:  # the durable copy reads tmpfs, never the engine (which trains on meanwhile)
             with CheckpointReader(self.memory.tag_folder(job.tag), manifest) as reader:
                 def fill(spec: Any, start: int, end: int, write: Any) -> None:
@@ -215,7 +218,7 @@ class Checkpointer:
             return load(durable, storage_options)
         result, self.last_recovery, heal = recover(self.engine.rank, self.engine.world_size, self.group,
                                                    self.memory, self._hosts, self.tiers.replicas, durable,
-                                                   storage_options, load)
+                                                   storage_options, load, self._domains)
         if heal is not None:  # the replicas a wiped node keeps come back while training goes on
             self._thread = threading.Thread(target=self._run_in_background, args=(heal,), name="zeroshard-heal")
             self._thread.start()

@@ -181,17 +181,18 @@ def check_fits(folder: MemoryFolder, tag: str, keep_last: int, new_bytes: int, c
             f"or raise the cap")
 
 
-def node_bytes(specs: list[TensorSpec], world_size: int, hosts: list[str], replicas: int, me: int) -> int:
+def node_bytes(specs: list[TensorSpec], world_size: int, hosts: list[str], replicas: int, me: int,
+               domains: list[str] | None = None) -> int:
     """What this save puts into the folder of rank `me`'s node: its ranks' files and replicas."""
     mine = hosts[me]
-    targets = replica_targets(hosts, replicas)
+    targets = replica_targets(hosts, replicas, domains)
     ranks = {r for r in range(world_size) if hosts[r] == mine}
     ranks |= {r for r, dsts in targets.items() if any(hosts[d] == mine for d in dsts)}
     return sum(rank_file_size(specs, world_size, r) for r in ranks)
 
 
 def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str], replicas: int, keep_last: int,
-                            group: Any) -> Manifest:
+                            group: Any, domains: list[str] | None = None) -> Manifest:
     """Steps 1 to 4 above (collective on `group`). Returns the committed manifest."""
     lead = lead_of(hosts, job.rank) == job.rank
     target = folder.tag_folder(job.tag)
@@ -228,7 +229,7 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
         landing.keep(name)
 
     plan = [(rank_file_name(r, job.world_size), r, r, d)
-            for r, dsts in sorted(replica_targets(hosts, replicas).items()) for d in dsts]
+            for r, dsts in sorted(replica_targets(hosts, replicas, domains).items()) for d in dsts]
     landing = Landing(target.path)
     error = run_transfers(plan, job.rank, read, received, group, landing.allocate)
     agree_on_save(error, group, None)

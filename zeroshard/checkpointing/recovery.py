@@ -7,7 +7,7 @@ a verified copy of its file of (from its own node, else a peer's), else the dura
        manifest gives); one all-gather. Hashes are checked as the files are read (every fragment)
        and, for a copy fetched from a peer, whole on arrival;
     3. `choose` (the same answer on every rank): newest candidate first, skipped with a reason
-       if saved at another world size, if some rank's file has no verified copy on any node
+       if some rank's file has no verified copy on any node
        (lost with its node, or torn), or if the durable root holds a newer step;
     4. a node missing files it needs (its ranks' files, rank 0's for buffers, the replicas it
        keeps) or the manifest fetches them from a node that holds them (replicas.run_transfers):
@@ -17,8 +17,13 @@ a verified copy of its file of (from its own node, else a peer's), else the dura
     5. one log line (logger zeroshard.checkpointing.recovery, INFO) says which tier and step,
        and why the others were skipped. A failure of the memory path that all ranks agree on
        (a file that fails its hash as it is read) falls back to the durable root, said in that line.
-At another world size the memory tier is skipped (resharding from surviving copies is not built
-yet); nothing here ever writes to the durable root.
+At another world size (a node lost, the job going on with fewer ranks) each node gathers every
+file of the chosen checkpoint it lacks from the surviving copies (local, else a peer's, over the
+job's gloo group), and the load reads the ranges each new rank owns from that folder, as it does
+from any folder at any world size: no round trip through durable storage. Gathering whole files
+rather than only the overlapping ranges keeps one load path and leaves a complete checkpoint on
+the node that the toolkit reads too; with two nodes and one replica the survivor already holds
+every file, so nothing moves. Nothing here ever writes to the durable root.
 """
 
 from __future__ import annotations
@@ -84,11 +89,8 @@ def choose(found: list[list[Candidate]], held: list[dict[str, list[int]]], world
         if durable_step is not None and durable_step > c.step:
             skipped.append(f"{c.tag} older than the durable step {durable_step}")
             continue
-        if c.world_size != world_size:
-            skipped.append(f"{c.tag} saved at world size {c.world_size}, not {world_size} "
-                           f"(recovery at another world size from memory is not built yet)")
-            continue
-        holders = {r: [n for n, h in enumerate(held) if r in h.get(c.id, [])] for r in range(world_size)}
+        # any world size: the load reads by range (load.py), so the old files are all it needs
+        holders = {r: [n for n, h in enumerate(held) if r in h.get(c.id, [])] for r in range(c.world_size)}
         lost = [r for r, nodes in holders.items() if not nodes]
         if lost:
             skipped.append(f"{c.tag} has no verified copy of the file(s) of rank(s) {', '.join(map(str, lost))}")
@@ -106,9 +108,12 @@ def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]
     c = choice.candidate
     assert c is not None
     names = {rank: name for rank, name, _, _ in c.files}
+    resharding = c.world_size != sum(len(ranks) for ranks in nodes)
     plan, manifests = [], []
     for n, ranks in enumerate(nodes):
-        needed = set(ranks) | ({0} if c.buffers else set())
+        # at another world size a new rank's ranges span old files: the node gathers them all
+        # (then its folder is a whole checkpoint, which the load reads by range, as the toolkit can)
+        needed = set(range(c.world_size)) if resharding else set(ranks) | ({0} if c.buffers else set())
         needed |= {r for r, dsts in (keeps or {}).items() if set(dsts) & set(ranks)}
         for r in sorted(needed):
             if n not in choice.holders[r]:
@@ -121,8 +126,8 @@ def fetch_plan(choice: Choice, nodes: list[list[int]], have_manifest: list[bool]
 
 
 def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts: list[str], replicas: int,
-            durable: str | None, storage_options: dict | None,
-            load: Callable[[str, dict | None], Any]) -> tuple[Any, str, Callable[[], None] | None]:
+            durable: str | None, storage_options: dict | None, load: Callable[[str, dict | None], Any],
+            domains: list[str] | None = None) -> tuple[Any, str, Callable[[], None] | None]:
     """Load from the best tier with `load(path, storage_options)` (collective); returns its result,
     the log line, and what is left to restore the replicas (for the caller's background thread)."""
     lead = lead_of(hosts, rank) == rank
@@ -142,7 +147,7 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     found = [everyone[r][0][0] for r in leads]
     notes = [f"{hosts[r]}: {note}" for r in leads for note in everyone[r][0][1]]
     durable_step = everyone[0][1]
-    wanted = {c.id: c for node in found for c in node if c.world_size == world_size}
+    wanted = {c.id: c for node in found for c in node}
     try:
         held = {cid: folder.verified_ranks(c.tag, c.files) for cid, c in wanted.items()} if lead else {}
     except Exception as exc:
@@ -153,9 +158,12 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     c = choice.candidate
     if c is not None:
         try:
-            fetched, heal = _fetch(c, choice, nodes, found, rank, folder, replica_targets(hosts, replicas), group)
+            keeps = replica_targets(hosts, replicas, domains)
+            fetched, heal = _fetch(c, choice, nodes, found, rank, folder, keeps, group)
             result = load(folder.tag_folder(c.tag).url, None)
             where = f"{fetched} file(s) fetched from peer nodes" if fetched else "every file from its own node"
+            if c.world_size != world_size:
+                where += f", resharded from world size {c.world_size} to {world_size}"
             return result, _say(rank, f"recovered from the memory tier: {c.tag} (step {c.step}), {where}; "
                                       f"skipped: {skipped}"), heal
         except PeerLostError:
@@ -178,7 +186,9 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
     background once the load is done (None, on every rank alike, when there is nothing left)."""
     have_manifest = [any(x.id == c.id for x in node) for node in found]
     plan = fetch_plan(choice, nodes, have_manifest)
-    rest = [t for t in fetch_plan(choice, nodes, have_manifest, keeps) if t not in plan]
+    # the replicas kept are of this world size's files: at another one the next save places them
+    same = c.world_size == sum(len(ranks) for ranks in nodes)
+    rest = [t for t in fetch_plan(choice, nodes, have_manifest, keeps) if t not in plan] if same else []
     target = folder.tag_folder(c.tag)
     error = None
     try:

@@ -3,9 +3,11 @@
 A node is a host (ZEROSHARD_HOST_ID, else the host name, as zeroshard/peers.py names it); nodes
 are numbered by their lowest rank. Rank r, the j-th rank of node i, has its file copied to the
 j-th rank (modulo their count) of nodes i+1 .. i+R: R different nodes, never its own, so losing
-any R nodes leaves a copy of every file. (Failure domains wider than a node, such as racks, are
-not modelled yet: placing by node order puts neighbours in different racks only if the launcher
-numbers them so.)
+any R nodes leaves a copy of every file. A failure domain can span several nodes (a rack:
+ZEROSHARD_DOMAIN or TierPolicy.domain, the same on a node's ranks): then the nodes are put in a
+ring that takes one node of each domain in turn, and each copy goes to the next node in the ring
+whose domain holds no copy yet (its own included), else to the next node: losing a whole domain
+leaves a copy of every file whenever there are two domains or more.
 
 Files travel point to point (gloo send/recv) on the Checkpointer's own group, one transfer at a
 time in one order every rank follows, sent straight from the file mapped in memory; a transfer
@@ -37,16 +39,41 @@ def lead_of(hosts: Sequence[str], rank: int) -> int:
     return hosts.index(hosts[rank])
 
 
-def replica_targets(hosts: Sequence[str], replicas: int) -> dict[int, list[int]]:
-    """file rank -> the ranks (on other nodes) that keep a copy of its file."""
+def replica_targets(hosts: Sequence[str], replicas: int,
+                    domains: Sequence[str] | None = None) -> dict[int, list[int]]:
+    """file rank -> the ranks (on other nodes) that keep a copy of its file. `domains[rank]`: the
+    failure domain of rank's node (a rack: ZEROSHARD_DOMAIN); None, each node is its own."""
     nodes = node_map(hosts)
     count = min(replicas, len(nodes) - 1)
+    domain = [domains[ranks[0]] if domains is not None else str(i) for i, ranks in enumerate(nodes)]
+    ring = _interleaved(domain)
     targets: dict[int, list[int]] = {}
     for i, ranks in enumerate(nodes):
+        at = ring.index(i)
+        after = [ring[(at + k) % len(ring)] for k in range(1, len(ring))]
+        chosen: list[int] = []
+        used = {domain[i]}
+        for _ in range(count):  # a domain not holding a copy yet when one is left, else the next node
+            pick = next((m for m in after if m not in chosen and domain[m] not in used),
+                        next(m for m in after if m not in chosen))
+            chosen.append(pick)
+            used.add(domain[pick])
         for j, rank in enumerate(ranks):
-            targets[rank] = [nodes[(i + k) % len(nodes)][j % len(nodes[(i + k) % len(nodes)])]
-                             for k in range(1, count + 1)]
+            targets[rank] = [nodes[m][j % len(nodes[m])] for m in chosen]
     return targets
+
+
+def _interleaved(domain: Sequence[str]) -> list[int]:
+    """Nodes in a ring taking one node of each domain in turn (domains in order of their first
+    node), so a node's neighbours are in other domains and copies spread evenly over them.
+    With every node its own domain: node order, i -> i+1 .. i+R."""
+    groups: dict[str, list[int]] = {}
+    for n, d in enumerate(domain):
+        groups.setdefault(d, []).append(n)
+    ring: list[int] = []
+    for turn in range(max((len(g) for g in groups.values()), default=0)):
+        ring += [g[turn] for g in groups.values() if turn < len(g)]
+    return ring
 
 
 Read = Callable[[str], torch.Tensor]

@@ -24,6 +24,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.storage.owner import job_run_id
 
 DEFAULT_MEMORY_PARENT = "/dev/shm"
+DOMAIN_ENV = "ZEROSHARD_DOMAIN"  # a node's failure domain (rack), set per node by the launcher
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class TierPolicy:
     memory_cap_bytes: the most a node's memory folder may hold; None: the tmpfs's free space,
       less `min_free_fraction` of the tmpfs left for everything else on the node.
     replicas: other nodes holding a copy of each rank file (0: none; at most nodes - 1 are used).
+    domain: this node's failure domain (a rack, a power zone), spanning one node or several:
+      copies go to nodes of other domains first. None: ZEROSHARD_DOMAIN, else the node itself.
     """
 
     memory_dir: str | None = None
@@ -53,6 +56,7 @@ class TierPolicy:
     memory_cap_bytes: int | None = None
     min_free_fraction: float = 0.1
     replicas: int = 1
+    domain: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_every", "durable_every", "replicas"):
@@ -71,6 +75,10 @@ class TierPolicy:
             raise ConfigError("TierPolicy.min_free_fraction must be in [0, 1)")
         if self.memory_dir is not None and "://" in str(self.memory_dir):
             raise ConfigError(f"TierPolicy.memory_dir {self.memory_dir!r} must be a local folder (tmpfs), not a URL")
+
+    def domain_name(self, node: str) -> str:
+        """This node's failure domain (`node`: its name, the default when no domain is set)."""
+        return self.domain or os.environ.get(DOMAIN_ENV) or node
 
     def root(self) -> str:
         """The memory tier's root (not yet the node's folder)."""
