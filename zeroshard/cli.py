@@ -480,7 +480,8 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
     from zeroshard.interop.write import check_world_size, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
-    _report_import(write_imported(read_deepspeed(src), out, world_size, tag="deepspeed", overwrite=overwrite,
+    imported = read_deepspeed(src, storage_options)  # SRC may be s3:// (the same storage options as OUT)
+    _report_import(write_imported(imported, out, world_size, tag="deepspeed", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 
@@ -507,7 +508,8 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     from zeroshard.interop.write import check_world_size, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
-    _report_import(write_imported(read_dcp(src, buffers), out, world_size, tag="dcp", overwrite=overwrite,
+    imported = read_dcp(src, buffers, storage_options)  # SRC may be s3:// (the same storage options as OUT)
+    _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 
