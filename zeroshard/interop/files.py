@@ -138,7 +138,10 @@ def open_inside(path: str, root: str) -> tuple[RangeReader, int]:
     leading out of it, a FIFO, a device or a folder is refused with an error naming `path`."""
     loc, name = _split(_inside(path, root))
     try:
-        reader = loc.open_reader(name)
+        if not loc.local:  # one HEAD: its size also spares the read-ahead asking for it
+            size = loc.size(name)
+            return loc.open_reader(name, size=size), size
+        reader = loc.open_reader(name)  # locally opened first: a FIFO is refused before any stat
         try:
             return reader, loc.size(name)
         except BaseException:
