@@ -47,11 +47,12 @@ def _same_import(a: str, b: str) -> None:
 def test_deepspeed_from_s3_imports_bit_identical_to_local(tmp_path, s3_bucket, s3_client, variant):
     """A DeepSpeed fixture uploaded to S3: `zeroshard import deepspeed s3://...` writes what the
     local import writes, to a local OUT and to an s3:// OUT."""
-    _upload(s3_client, FIXTURES / variant, f"{s3_bucket}/ds")
+    src = s3_bucket if variant == "stage1" else f"{s3_bucket}/ds"  # a bucket's root too
+    _upload(s3_client, FIXTURES / variant, src)
     runner = CliRunner()
     local = runner.invoke(main, ["import", "deepspeed", str(FIXTURES / variant), str(tmp_path / "local"), "-q"])
     assert local.exit_code == 0, local.output
-    remote = runner.invoke(main, ["import", "deepspeed", f"{s3_bucket}/ds", str(tmp_path / "remote"), "-q"])
+    remote = runner.invoke(main, ["import", "deepspeed", src, str(tmp_path / "remote"), "-q"])
     assert remote.exit_code == 0, remote.output
     _same_import(str(tmp_path / "local"), str(tmp_path / "remote"))
     assert open_checkpoint(str(tmp_path / "remote"))[1].extra["source"].startswith(("deepspeed:s3://",

@@ -90,9 +90,8 @@ def _named(path: str) -> Iterator[None]:
 
 
 def isdir(path: str) -> bool:
-    loc, name = _split(path)
     with _named(path):
-        return loc.isdir(name)
+        return folder(path).isdir()  # asked of the folder itself: a bucket's root has no parent
 
 
 def exists(path: str) -> bool:
