@@ -180,12 +180,6 @@ DOOR_CALLS = {f"os.{n}" for n in ("open", "fdopen", "fsync", "fdatasync", "write
 
 # Calls outside zeroshard/storage/ that stay, each named: the list can only shrink (a stale entry fails too).
 DOOR_ALLOWED = {
-    # interop: moves behind storage next (helper "stream" is reworking zeroshard/interop/ now)
-    ("zeroshard/interop/dcp_chunks.py", "os.pread"): "interop: moves behind storage next",
-    ("zeroshard/interop/dcp_metadata.py", "os.fdopen"): "interop: moves behind storage next",
-    ("zeroshard/interop/torch_pickle.py", "os.fdopen"): "interop: moves behind storage next",
-    ("zeroshard/interop/torch_zip.py", "os.pread"): "interop: moves behind storage next (Source over a RangeReader)",
-    ("zeroshard/interop/torch_zip.py", "os.preadv"): "interop: moves behind storage next (Source over a RangeReader)",
     # not checkpoint data: small files the user names, read once
     ("zeroshard/cli.py", "open()"): "/proc/<ppid>/cmdline, to tell how the CLI was launched",
     ("zeroshard/deepspeed/config.py", "open()"): "the user's DeepSpeed JSON config",

@@ -761,3 +761,46 @@ def test_dcp_chunk_with_overlapping_zip_records_is_refused_naming_file_and_key(t
         at += 46 + nlen + xlen + clen
     (src / info.relative_path).write_bytes(bytes(raw))
     _refused_dcp(src, tmp_path, info.relative_path, "model.w", "overlap")
+
+
+# ---- the same refusals when SRC is on S3 (moto, conftest): the readers go through storage -----------
+def _evil(side: Path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {side}",))
+
+    return Evil()
+
+
+def _upload_tree(local: Path, url: str) -> None:
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        Location(url).write_bytes(path.relative_to(local).as_posix(), path.read_bytes())
+
+
+@pytest.mark.s3
+def test_hostile_pickles_on_s3_are_refused_naming_the_url_and_run_nothing(tmp_path, s3_bucket):
+    side = tmp_path / "pwned"
+    root = ds_copy(tmp_path, 2)
+    torch.save({"optimizer_state_dict": {"x": _evil(side)}}, root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    _upload_tree(root, f"{s3_bucket}/ds")
+    assert_refused(*cli("import", "deepspeed", f"{s3_bucket}/ds", str(tmp_path / "o1")),
+                   f"{s3_bucket}/ds/{TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt", "refused")
+
+    src = save_dcp(tmp_path / "dcp")
+    torch.save({"x": _evil(side)}, tmp_path / "evil.pt")
+    (src / "evil.distcp").write_bytes((tmp_path / "evil.pt").read_bytes())
+
+    def edit(m):
+        key = next(k for k in m.storage_data if k.fqn == "optim.param_groups.0.lr")
+        m.storage_data[key].relative_path, m.storage_data[key].offset = "evil.distcp", 0
+        m.storage_data[key].length = (tmp_path / "evil.pt").stat().st_size
+
+    edit_metadata(src, edit)
+    _upload_tree(src, f"{s3_bucket}/dcp")
+    assert_refused(*cli("import", "dcp", f"{s3_bucket}/dcp", str(tmp_path / "o2")), f"{s3_bucket}/dcp/evil.distcp",
+                   "refused")
+    (src / ".metadata").write_bytes(pickle.dumps(_evil(side)))  # a hostile .metadata itself
+    _upload_tree(src, f"{s3_bucket}/dcp2")
+    assert_refused(*cli("import", "dcp", f"{s3_bucket}/dcp2", str(tmp_path / "o3")), f"{s3_bucket}/dcp2/.metadata",
+                   "not on the allowlist")
+    assert not side.exists() and not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

@@ -254,3 +254,43 @@ def test_deep_nesting_is_refused(tmp_path):
     for _ in range(150):
         nested = [nested]
     _refused(_saved(tmp_path, {"n": nested}), "nested deeper")
+
+
+# ---- the same reader over S3 (moto, conftest): Source reads through storage's RangeReader ------------
+def _put(s3_bucket: str, key: str, data: bytes) -> str:
+    from zeroshard.storage import Location
+
+    Location(s3_bucket).write_bytes(key, data)
+    return f"{s3_bucket}/{key}"
+
+
+@pytest.mark.s3
+def test_an_archive_on_s3_reads_by_range_as_locally(tmp_path, s3_bucket):
+    from zeroshard.storage import RangeReader
+
+    blob = _saved(tmp_path).read_bytes()
+    url = _put(s3_bucket, "packed.bin", b"\0" * 4099 + blob)
+    src = torch_zip.open_archive(url, s3_bucket, 4099, len(blob))
+    assert isinstance(src.reader, RangeReader) and not hasattr(src, "fd")  # no raw descriptor any more
+    theirs = torch.load(tmp_path / "x.pt", weights_only=True)
+    theirs["param"] = theirs["param"].detach()
+    got = torch_zip.load(src, lazy_bytes=0)
+    assert isinstance(got["big"], LazyTensor)  # read later, through ranged GETs
+    _same(got, theirs)
+    _same(torch_zip.load_lazy(_put(s3_bucket, "x.pt", blob), lazy_bytes=0), theirs)
+
+
+@pytest.mark.s3
+def test_hostile_or_cut_archives_on_s3_are_refused_naming_the_url(tmp_path, s3_bucket):
+    raw = _two(tmp_path).read_bytes()
+    name = next(n for n in zipfile.ZipFile(tmp_path / "x.pt").namelist() if n.endswith("data/1"))
+    cases = {"twice.pt": (raw.replace(name.encode(), name[:-1].encode() + b"0"), "appears twice"),
+             "cut.pt": (raw[:-30], ""), "garbage.pt": (b"PK\x03\x04" + os.urandom(3000), "")}
+    for key, (data, needle) in cases.items():
+        url = _put(s3_bucket, key, data)
+        with pytest.raises(CheckpointError) as err:
+            torch_zip.load_lazy(url, lazy_bytes=0)
+        message = str(err.value)
+        assert url in message and needle in message and "\n" not in message, message
+    with pytest.raises(CheckpointError, match=f"{s3_bucket}/absent.pt"):
+        torch_zip.load_lazy(f"{s3_bucket}/absent.pt")

@@ -474,13 +474,15 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
 
     fp32 master weights, Adam moments and step, param groups, global step, client state and
     tied weights come across; `engine.load_checkpoint(OUT)` resumes where DeepSpeed stopped.
-    The .pt files are read with torch's weights_only unpickler and a closed allowlist.
+    The .pt files are read with torch's weights_only unpickler and a closed allowlist. SRC and
+    OUT may be local or s3:// (--storage-option applies to both).
     """
     from zeroshard.interop.deepspeed_ckpt import read_deepspeed
     from zeroshard.interop.write import check_world_size, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
-    _report_import(write_imported(read_deepspeed(src), out, world_size, tag="deepspeed", overwrite=overwrite,
+    imported = read_deepspeed(src, storage_options)  # SRC may be s3:// (the same storage options as OUT)
+    _report_import(write_imported(imported, out, world_size, tag="deepspeed", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 
@@ -501,13 +503,14 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight
     from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
-    parameter unless --buffers names it.
+    parameter unless --buffers names it. SRC and OUT may be local or s3://.
     """
     from zeroshard.interop.dcp_import import read_dcp
     from zeroshard.interop.write import check_world_size, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
-    _report_import(write_imported(read_dcp(src, buffers), out, world_size, tag="dcp", overwrite=overwrite,
+    imported = read_dcp(src, buffers, storage_options)  # SRC may be s3:// (the same storage options as OUT)
+    _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 
@@ -530,7 +533,10 @@ def export_group() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def export_dcp(ckpt: str, out: str, overwrite: bool, storage_options: dict, quiet: bool) -> None:
-    """Write CKPT as a DCP checkpoint {"model": ..., "optim": ...} that FSDP2's dcp.load reads."""
+    """Write CKPT as a DCP checkpoint {"model": ..., "optim": ...} that FSDP2's dcp.load reads.
+
+    OUT may be s3://: DCP's writer writes a local temporary folder (one copy of the export's
+    size), uploaded with `.metadata` last."""
     from zeroshard.interop.dcp_export import export_dcp as run
 
     n = run(ckpt, out, overwrite=overwrite, storage_options=storage_options)

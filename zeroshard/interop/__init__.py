@@ -1,5 +1,7 @@
 """Interop with other checkpoint formats (toolkit side: never imports the training core).
 
+  files.py           the readers' only way to files: storage's Location (local or s3://), with
+                     the local refusals (links out of the folder, FIFOs, devices) kept
   torch_pickle.py    reading foreign .pt pickles through torch's weights_only unpickler and a
                      closed allowlist of stand-ins for DeepSpeed's classes
   torch_zip.py       torch.save zip archives read by record: big tensors are LazyTensors that
@@ -9,7 +11,7 @@
   deepspeed_ckpt.py  reading DeepSpeed ZeRO 1/2/3 checkpoint folders
   dcp_metadata.py    reading torch.distributed.checkpoint `.metadata` (restricted unpickler)
   dcp_import.py      reading DCP checkpoints (FSDP2 model + optimizer) without a process group
-  dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint
+  dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint (local or s3://)
 
 torch is imported inside functions only, so `import zeroshard.cli` stays light.
 """

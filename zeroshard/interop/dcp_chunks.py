@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import io
 import math
-import os
+import posixpath
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop import torch_zip
+from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import LazyTensor, flat_range, is_tensor, materialize
-from zeroshard.interop.torch_pickle import STAND_INS, open_inside
+from zeroshard.interop.torch_pickle import STAND_INS
 
 LAZY_BYTES = 1 << 20  # tensors this big (with a dimension) are read on demand; smaller ones at once
 
@@ -30,20 +30,16 @@ def read_blob(folder: str, info: Any, what: str) -> Any:
     import torch
 
     if getattr(info, "transform_descriptors", None):
-        raise CheckpointError(os.path.join(folder, info.relative_path),
+        raise CheckpointError(files.join(folder, info.relative_path),
                               f"{what}: transformed (e.g. compressed) DCP data is not supported")
-    path = os.path.join(folder, info.relative_path)
-    if os.path.basename(info.relative_path) != info.relative_path:
+    path = files.join(folder, info.relative_path)
+    if posixpath.basename(info.relative_path) != info.relative_path:
         raise CheckpointError(path, "storage path leaves the checkpoint folder")
-    fd, size = open_inside(path, folder)  # a FIFO or device refused, not waited on; links kept inside
-    try:
-        raw = os.pread(fd, min(info.length, max(size - info.offset, 0)), info.offset)
-    except OSError as exc:
-        raise CheckpointError(path, exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(raw) != info.length:
-        raise CheckpointError(path, f"{what}: file ends before byte {info.offset + info.length}")
+    reader, size = files.open_inside(path, folder)  # a FIFO or device refused, not waited on; links kept inside
+    with reader:
+        if info.offset + info.length > size:
+            raise CheckpointError(path, f"{what}: file ends before byte {info.offset + info.length}")
+        raw = files.read_range(reader, path, info.offset, info.length)
     try:
         with torch.serialization.safe_globals(STAND_INS):
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -59,8 +55,8 @@ def _chunk(folder: str, key: str, chunk: Any, chunks: dict) -> Any:
     info = chunks.get((key, tuple(chunk.offsets)))
     if info is None:
         raise CheckpointError(folder, f"{key}: no storage for the chunk at offset {list(chunk.offsets)}")
-    path = os.path.join(folder, info.relative_path)
-    if getattr(info, "transform_descriptors", None) or os.path.basename(info.relative_path) != info.relative_path:
+    path = files.join(folder, info.relative_path)
+    if getattr(info, "transform_descriptors", None) or posixpath.basename(info.relative_path) != info.relative_path:
         return _checked(folder, key, chunk, read_blob(folder, info, key))  # refused there, one line
     try:
         source = torch_zip.open_archive(path, folder, info.offset, info.length)
@@ -122,4 +118,4 @@ def tensor(folder: str, key: str, entry: Any, chunks: dict) -> Any:
     numel = math.prod(size)
     if not size or numel * torch.empty((), dtype=dtype).element_size() < LAZY_BYTES:
         return read_rows(folder, key, entry, chunks, 0, numel).reshape(size)
-    return LazyTensor(size, dtype, lambda start, end: read_rows(folder, key, entry, chunks, start, end))
+    return LazyTensor(size, dtype, files.bound(lambda start, end: read_rows(folder, key, entry, chunks, start, end)))

@@ -4,7 +4,10 @@ The state dict written is {"model": model.state_dict() names (weights, buffers, 
 "optim": get_optimizer_state_dict's layout ({"state": {fqn: {...}}, "param_groups": [...,
 "params": [fqn...]]})}, full (unsharded) tensors, saved by torch.distributed.checkpoint's own
 FileSystemWriter in one process (no_dist=True). DCP reshards full tensors into any FSDP2
-layout at load. Local folders only (DCP's writer is).
+layout at load. OUT may be local or a URL (s3://): DCP's writer writes local files, so for a
+remote OUT it writes into a local temporary folder whose files are then uploaded through
+storage's Location (multipart, bounded retries), `.metadata` last as below. That needs local
+disk for one copy of the export (its size: the model and optimizer state, full).
 
 The output goes through the toolkit's output discipline (format.output, docs/SAFETY.md): OUT
 may not be, contain or lie inside CKPT; it is claimed; DCP writes into a hidden staging folder
@@ -15,11 +18,13 @@ the new one is complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import warnings
 from typing import Any
 
-from zeroshard.errors import StorageError, ZeroshardError
+from zeroshard.errors import StorageError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location, describe_error
@@ -73,6 +78,17 @@ def _first_failure(exc: Any) -> str:
     return "writing the DCP checkpoint failed"
 
 
+UPLOAD_CHUNK = 8 << 20
+
+
+def _upload(local: Location, name: str, dest: Location) -> None:
+    """Copy file `name` of local folder `local` to the same name in `dest`, a chunk at a time."""
+    with local.open_reader(name) as reader, dest.atomic_writer(name) as out:
+        size = local.size(name)
+        for start in range(0, size, UPLOAD_CHUNK):
+            out.write(reader.read(start, min(UPLOAD_CHUNK, size - start)))
+
+
 def _is_dcp_file(name: str) -> bool:
     """Files a DCP FileSystemWriter output is made of (what an overwritten export leaves behind)."""
     return name.endswith(".distcp") or name == DCP_COMMIT_FILE
@@ -86,23 +102,26 @@ def export_dcp(ckpt: str, out: str, *, overwrite: bool = False, storage_options:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    if "://" in out:
-        raise ZeroshardError(f"{out}: DCP export writes local folders only")
-    target = Location(out)
-    if not target.local:
-        raise ZeroshardError(f"{out}: DCP export writes local folders only")
+    target = Location(out, storage_options)
     source = Location(ckpt, storage_options)
     output = prepare_output(target, overwrite, inputs=[source], stage_always=True)
     state_dict = export_state_dict(ckpt, storage_options)
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(output.stage.path), no_dist=True)
-    except CheckpointException as exc:  # a BaseException whose text is a page of tracebacks
-        raise StorageError(out, _first_failure(exc)) from None
-    metadata = output.stage.read_bytes(DCP_COMMIT_FILE)
-    output.stage.remove(DCP_COMMIT_FILE)  # written again last, by commit, once every data file is in place
-    names = [n for n in output.stage.list() if n != DCP_COMMIT_FILE]
+    with contextlib.ExitStack() as cleanup:
+        written = output.stage
+        if not written.local:  # DCP's writer writes local files: a local folder first, uploaded below
+            written = Location(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="zeroshard-dcp-")))
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(written.path), no_dist=True)
+        except CheckpointException as exc:  # a BaseException whose text is a page of tracebacks
+            raise StorageError(out, _first_failure(exc)) from None
+        metadata = written.read_bytes(DCP_COMMIT_FILE)
+        written.remove(DCP_COMMIT_FILE)  # written again last, by commit, once every data file is in place
+        names = [n for n in written.list() if n != DCP_COMMIT_FILE]
+        if written is not output.stage:
+            for name in names:
+                _upload(written, name, output.stage)
     output.commit(names, (DCP_COMMIT_FILE, metadata), uncommit=[DCP_COMMIT_FILE], stale=_is_dcp_file)
     tensors = [v for v in state_dict["model"].values() if torch.is_tensor(v)]
     tensors += [v for s in state_dict["optim"]["state"].values() for v in s.values() if torch.is_tensor(v)]

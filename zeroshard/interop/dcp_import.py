@@ -18,12 +18,13 @@ model tensors are tied copies (equal to a parameter, not constant) or buffers. W
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.training_state import scalar_json, to_json_value
-from zeroshard.interop import dcp_chunks
+from zeroshard.interop import dcp_chunks, files
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
@@ -46,7 +47,7 @@ class _Source:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.metadata = load_metadata(os.path.join(folder, ".metadata"))
+        self.metadata = load_metadata(files.join(folder, ".metadata"))
         storage = getattr(self.metadata, "storage_data", None) or {}
         self.files = {i.relative_path for i in storage.values()}
         self.chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
@@ -63,32 +64,32 @@ class _Source:
 
 
 def _has_metadata(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, ".metadata"))
+    return files.isfile(files.join(folder, ".metadata"))
 
 
 def _sources(folder: str) -> tuple[list[_Source], list[str]]:
     """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair)."""
-    if not os.path.isdir(folder):
+    if not files.isdir(folder):
         raise CheckpointError(folder, "no such DCP checkpoint folder")
     if _has_metadata(folder):
         notes = []
-        sibling = os.path.join(os.path.dirname(os.path.abspath(folder)), ACCELERATE_OPTIMIZER)
-        if os.path.basename(os.path.abspath(folder)) == ACCELERATE_MODEL and _has_metadata(sibling):
+        sibling = files.join(files.parent(folder), ACCELERATE_OPTIMIZER)
+        if posixpath.basename(files.absolute(folder)) == ACCELERATE_MODEL and _has_metadata(sibling):
             notes.append(f"the optimizer state is in the sibling {ACCELERATE_OPTIMIZER}/, not imported: "
                          "import the folder holding both to take it")
         return [_Source(folder)], notes
-    if not _has_metadata(os.path.join(folder, ACCELERATE_MODEL)):
+    if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
         raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
                                       f"{ACCELERATE_MODEL}/.metadata)")
-    names = sorted(os.listdir(folder))
+    names = files.listdir(folder)
     extra_models = [n for n in names if re.fullmatch(r"pytorch_model_fsdp_[1-9]\d*", n)]
     extra_optims = [n for n in names if re.fullmatch(r"optimizer_[1-9]\d*", n)]
     if extra_models or extra_optims:
         raise CheckpointError(folder, f"an Accelerate save_state of several models or optimizers "
                                       f"({', '.join(extra_models + extra_optims)}): only one of each is supported")
-    sources = [_Source(os.path.join(folder, ACCELERATE_MODEL))]
-    if _has_metadata(os.path.join(folder, ACCELERATE_OPTIMIZER)):
-        sources.append(_Source(os.path.join(folder, ACCELERATE_OPTIMIZER)))
+    sources = [_Source(files.join(folder, ACCELERATE_MODEL))]
+    if _has_metadata(files.join(folder, ACCELERATE_OPTIMIZER)):
+        sources.append(_Source(files.join(folder, ACCELERATE_OPTIMIZER)))
     rest = [n for n in names if n not in (ACCELERATE_MODEL, ACCELERATE_OPTIMIZER)]
     notes = [f"Accelerate save_state: not imported (pickles are not read): {', '.join(rest)}"] if rest else []
     return sources, notes
@@ -173,10 +174,17 @@ def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat
             for g in (nested[i] for i in sorted(nested))]
 
 
-def read_dcp(src: str, buffers: str | None = None) -> Imported:
-    """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder). `buffers`: a
-    regex; model tensors whose name matches it in full are buffers, not parameters."""
+def read_dcp(src: str, buffers: str | None = None, storage_options: dict | None = None) -> Imported:
+    """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder), a local path or
+    a URL (s3://; `storage_options` for its filesystem). `buffers`: a regex; model tensors whose
+    name matches it in full are buffers, not parameters. Tensors read later (LazyTensors) use
+    the same storage options."""
     src = os.fspath(src)  # any os.PathLike
+    with files.storage_options(storage_options):
+        return _read_dcp(src, buffers)
+
+
+def _read_dcp(src: str, buffers: str | None) -> Imported:
     import torch
 
     folder = src.rstrip("/") or "/"
@@ -232,7 +240,7 @@ def read_dcp(src: str, buffers: str | None = None) -> Imported:
         names = [n for n in model if model[n].is_floating_point() and n not in forced]
 
     prefixes: dict[str, Any] = {}
-    imp = Imported(source=f"dcp:{os.path.abspath(folder)}", params={}, zero_stage=3,
+    imp = Imported(source=f"dcp:{files.absolute(folder)}", params={}, zero_stage=3,
                    world_size=max(len(s.files) for s in sources) or 1)
     for name in names:
         if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params, prefixes) is not None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import posixpath
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop.torch_pickle import open_inside
+from zeroshard.interop import files
 
 MAX_METADATA_BYTES = 1 << 30
 MAX_DIMS = 64
@@ -58,12 +59,8 @@ class _Restricted(pickle.Unpickler):
 def load_metadata(path: str) -> Any:
     """The Metadata object of a DCP checkpoint's `.metadata` file, checked (check_metadata)
     against the files it points into before anything is allocated from it."""
-    path = os.fspath(path)  # any os.PathLike
-    fd, size = open_inside(path, os.path.dirname(path) or ".")
-    with os.fdopen(fd, "rb") as f:
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointError(path, f"is {size} bytes: too large for DCP metadata")
-        raw = f.read()
+    path = os.fspath(path)  # any os.PathLike; a local path or a URL
+    raw = files.read_inside(path, files.parent(path), MAX_METADATA_BYTES, "DCP metadata")
     try:
         metadata = _Restricted(io.BytesIO(raw)).load()
     except pickle.UnpicklingError as exc:
@@ -120,7 +117,7 @@ def _check_tiling(path: str, key: str, size: tuple[int, ...], chunks: Any) -> li
 def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
     """storage_data: every entry a plain file name in the folder with a byte range inside that
     file, no two ranges of a file overlapping. Returns {(fqn, offsets or None): info}."""
-    folder = os.path.dirname(path) or "."
+    folder = files.parent(path)
     if not isinstance(storage, dict):
         raise CheckpointError(path, f"storage_data must be a dict, got {type(storage).__name__}")
     sizes: dict[str, int] = {}
@@ -131,16 +128,15 @@ def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(fqn, str):
             raise CheckpointError(path, f"a storage entry names {type(fqn).__name__} {str(fqn)[:40]!r}, not a key")
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") or "\0" in name:
+        if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\0" in name:
             raise CheckpointError(path, f"{fqn}: storage path {str(name)[:80]!r} is not a file name in the folder")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (offset, length)):
             raise CheckpointError(path, f"{fqn}: storage offset/length {offset!r}/{length!r} are not "
                                         "non-negative integers")
         if name not in sizes:
-            fd, sizes[name] = open_inside(os.path.join(folder, name), folder)
-            os.close(fd)
+            sizes[name] = files.size_inside(files.join(folder, name), folder)
         if offset + length > sizes[name]:
-            raise CheckpointError(os.path.join(folder, name), f"{fqn}: bytes {offset}+{length} run past its end "
+            raise CheckpointError(files.join(folder, name), f"{fqn}: bytes {offset}+{length} run past its end "
                                                                 f"({sizes[name]} bytes)")
         ranges.setdefault(name, []).append((offset, length))
         where = getattr(index, "offset", None)
@@ -154,7 +150,7 @@ def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
         spans.sort()
         for (a, alen), (b, _) in zip(spans, spans[1:]):
             if a + alen > b:
-                raise CheckpointError(os.path.join(folder, name), f"two entries share bytes {b}..{a + alen}")
+                raise CheckpointError(files.join(folder, name), f"two entries share bytes {b}..{a + alen}")
     return by_key
 
 

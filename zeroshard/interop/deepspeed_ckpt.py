@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop import torch_zip
+from zeroshard.interop import files, torch_zip
 from zeroshard.interop.deepspeed_common import (
     TRAINER_STATE,
     carry_trainer_state,
@@ -54,14 +55,14 @@ MAX_LATEST_BYTES = 4096  # `latest` holds one tag name
 
 def _follow(src: str, pointer: str) -> str:
     """The folder inside `src` that the one-line file `src/pointer` names."""
-    path = os.path.join(src, pointer)
+    path = files.join(src, pointer)
     raw = read_small_file(path, MAX_LATEST_BYTES)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise CheckpointError(path, "is not UTF-8 text (it should name the tag folder)") from None
-    folder = os.path.join(src, tag)
-    if os.sep in tag or "\0" in tag or tag in ("", ".", "..") or not os.path.isdir(folder) or os.path.islink(folder):
+    folder = files.join(src, tag)
+    if "/" in tag or "\0" in tag or tag in ("", ".", "..") or not files.isdir(folder) or files.islink(folder):
         raise CheckpointError(path, f"names {tag!r}, which is not a checkpoint folder inside {src}")
     return folder
 
@@ -72,28 +73,28 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
     src = os.fspath(src)  # any os.PathLike
     from zeroshard.interop.deepspeed_universal import is_universal_folder
 
-    if not os.path.isdir(src):
+    if not files.isdir(src):
         raise CheckpointError(src, "no such DeepSpeed checkpoint folder")
-    names = os.listdir(src)  # listdir, not glob: `lr[3e-4]` is a plain name
+    names = files.listdir(src)  # a listing, not glob: `lr[3e-4]` is a plain name
     if any(_OPTIM.match(name) for name in names):
         return "zero", src
     if is_universal_folder(src):
         return "universal", src
     # both pointers: `latest` is the exact per-rank save (and the newer one if training went on
     # after a conversion); the universal folder can still be named directly
-    if os.path.lexists(os.path.join(src, "latest")):
+    if files.exists(files.join(src, "latest")):
         return "zero", _follow(src, "latest")
-    if os.path.lexists(os.path.join(src, "latest_universal")):
+    if files.exists(files.join(src, "latest_universal")):
         folder = _follow(src, "latest_universal")
         if not is_universal_folder(folder):
-            raise CheckpointError(os.path.join(src, "latest_universal"), f"names {os.path.basename(folder)!r}, "
+            raise CheckpointError(files.join(src, "latest_universal"), f"names {posixpath.basename(folder)!r}, "
                                   "which has no zero/optimizer_state.pt (not a universal checkpoint)")
         return "universal", folder
     runs = sorted((n for n in names if runs_allowed and _HF_CHECKPOINT.match(n) and len(n) < 40
-                   and os.path.isdir(os.path.join(src, n)) and not os.path.islink(os.path.join(src, n))),
+                   and files.isdir(files.join(src, n)) and not files.islink(files.join(src, n))),
                   key=lambda n: int(n.split("-", 1)[1]))
     if len(runs) == 1:
-        return resolve(os.path.join(src, runs[0]), runs_allowed=False)
+        return resolve(files.join(src, runs[0]), runs_allowed=False)
     if runs:
         shown = ", ".join(runs[:6]) + (f", ... ({len(runs)} in all)" if len(runs) > 6 else "")
         raise CheckpointError(src, f"holds several Trainer checkpoints ({shown}): name the one to import")
@@ -104,13 +105,13 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
 def _optim_files(folder: str) -> list[str]:
     found = {}
     prefixes = set()
-    for name in os.listdir(folder):
+    for name in files.listdir(folder):
         m = _OPTIM.match(name)
         if m:
             if int(m.group(2)) != 0:
-                raise CheckpointError(os.path.join(folder, name),
+                raise CheckpointError(files.join(folder, name),
                                       "model-parallel checkpoints (mp_rank > 0) are not supported")
-            found[int(m.group(1))] = os.path.join(folder, name)
+            found[int(m.group(1))] = files.join(folder, name)
             prefixes.add(name.startswith("bf16_"))
     if len(prefixes) > 1:  # two saves in one folder: which is this checkpoint's is not ours to guess
         raise CheckpointError(folder, "holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files")
@@ -119,19 +120,25 @@ def _optim_files(folder: str) -> list[str]:
     return [found[r] for r in range(len(found))]
 
 
-def read_deepspeed(src: str) -> Imported:
-    """Read the DeepSpeed checkpoint at `src` (any layout `resolve` accepts)."""
+def read_deepspeed(src: str, storage_options: dict | None = None) -> Imported:
+    """Read the DeepSpeed checkpoint at `src` (any layout `resolve` accepts), a local path or a
+    URL (s3://; `storage_options` for its filesystem)."""
+    src = os.fspath(src)  # any os.PathLike
+    with files.storage_options(storage_options):
+        return _read_deepspeed(src)
+
+
+def _read_deepspeed(src: str) -> Imported:
     from zeroshard.interop.deepspeed_universal import read_universal
 
-    src = os.fspath(src)  # any os.PathLike
     kind, folder = resolve(src)
     try:
         imp = _read(folder) if kind == "zero" else read_universal(folder)
     except (KeyError, IndexError, AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a layout unknown
         raise CheckpointError(folder, f"unexpected DeepSpeed checkpoint layout ({type(exc).__name__}: {exc}); "
                                       "ZeRO 1/2/3 data-parallel checkpoints are supported") from None
-    parent = os.path.dirname(os.path.abspath(folder))
-    if os.path.isfile(os.path.join(parent, TRAINER_STATE)) or os.path.lexists(os.path.join(parent, TRAINER_STATE)):
+    parent = files.parent(folder)
+    if files.exists(files.join(parent, TRAINER_STATE)):
         carry_trainer_state(imp, parent)
     return imp
 
@@ -146,7 +153,7 @@ def _read(folder: str) -> Imported:
             raise CheckpointError(path, "not a DeepSpeed ZeRO optimizer file (no optimizer_state_dict)")
         osds.append(sd["optimizer_state_dict"])
     stage = int_field(optim_paths[0], osds[0].get("zero_stage"), "zero_stage", -1)
-    if stage == -1 and os.path.basename(optim_paths[0]).startswith("bf16_") \
+    if stage == -1 and posixpath.basename(optim_paths[0]).startswith("bf16_") \
             and "single_partition_of_fp32_groups" in osds[0]:
         stage = 1  # DeepSpeed's BF16_Optimizer (bf16 at ZeRO 1) records no stage; its layout is stage 1's
     if stage not in (1, 2, 3):
@@ -158,10 +165,10 @@ def _read(folder: str) -> Imported:
         if parts != world:
             raise CheckpointError(folder, f"the optimizer files say {parts} partitions but {world} files are present")
 
-    model_path = os.path.join(folder, "mp_rank_00_model_states.pt" if stage < 3
+    model_path = files.join(folder, "mp_rank_00_model_states.pt" if stage < 3
                               else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     model, groups_shapes, ds_config = load_model_states(model_path, folder)
-    imp = Imported(source=f"deepspeed:{os.path.abspath(folder)}", params={}, zero_stage=stage, world_size=world)
+    imp = Imported(source=f"deepspeed:{files.absolute(folder)}", params={}, zero_stage=stage, world_size=world)
     if stage < 3:
         _flat_stage12(imp, optim_paths, osds, groups_shapes)
     else:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import scalar_json, to_json_value
-from zeroshard.interop import torch_zip
+from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import Imported, LazyTensor, optimizer_class_of
-from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth, read_small_file
+from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
 DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -77,7 +76,7 @@ def check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[i
 
 def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str, tuple[int, ...]]], dict]:
     """(model-states dict, checked param_shapes, ds_config) of the file at `model_path`."""
-    if not os.path.isfile(model_path):
+    if not files.isfile(model_path):
         raise CheckpointError(model_path, "missing: the model-states file of this checkpoint")
     model = torch_zip.load_lazy(model_path, folder)  # stage 1-2's module weights stay unread
     if not isinstance(model, dict) or "param_shapes" not in model or "buffer_names" not in model:
@@ -152,13 +151,10 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
 def carry_trainer_state(imp: Imported, folder: str) -> None:
     """Hugging Face Trainer's checkpoint-N/trainer_state.json (beside global_stepN) into
     client_state[TRAINER_STATE_KEY]: bounded in size and nesting, plain JSON, never executed."""
-    path = os.path.join(folder, TRAINER_STATE)
-    if not os.path.lexists(path):
+    path = files.join(folder, TRAINER_STATE)
+    if not files.exists(path):
         return
-    real, root = os.path.realpath(path), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root:
-        raise CheckpointError(path, f"is a link leading out of the checkpoint folder (to {real})")
-    raw = read_small_file(path, MAX_TRAINER_STATE_BYTES)
+    raw = files.read_inside(path, folder, MAX_TRAINER_STATE_BYTES)
     try:
         state = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

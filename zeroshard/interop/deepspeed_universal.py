@@ -19,12 +19,11 @@ buffers and ties come from the model-states file as in a per-rank save.
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop import torch_zip
+from zeroshard.interop import files, torch_zip
 from zeroshard.interop.deepspeed_common import fill_from_model, int_field, load_model_states, optimizer_scalar
 from zeroshard.interop.imported import Imported, is_tensor, with_shape
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
@@ -35,13 +34,13 @@ MAX_STATES = 32  # state files per parameter (Adam has 3)
 
 
 def is_universal_folder(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "zero", "optimizer_state.pt"))
+    return files.isfile(files.join(folder, "zero", "optimizer_state.pt"))
 
 
 def _model_path(folder: str) -> str:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if os.path.lexists(os.path.join(folder, name)):
-            return os.path.join(folder, name)
+        if files.exists(files.join(folder, name)):
+            return files.join(folder, name)
     raise CheckpointError(folder, "missing: mp_rank_00_model_states.pt (the model-states file ds_to_universal "
                                   "copies)")
 
@@ -57,8 +56,8 @@ def _tensor_of(path: str, value: Any, numel: int) -> Any:
 
 
 def read_universal(folder: str) -> Imported:
-    zero = os.path.join(folder, "zero")
-    common_path = os.path.join(zero, "optimizer_state.pt")
+    zero = files.join(folder, "zero")
+    common_path = files.join(zero, "optimizer_state.pt")
     common = torch_zip.load_lazy(common_path, folder)
     if not isinstance(common, dict) or not isinstance(common.get("param_groups"), list):
         raise CheckpointError(common_path, "not a universal optimizer_state.pt (no param_groups list)")
@@ -78,7 +77,7 @@ def read_universal(folder: str) -> Imported:
     if len(common["param_groups"]) != len(groups_shapes):
         raise CheckpointError(common_path, f"{len(common['param_groups'])} param groups, the model-states file's "
                                            f"param_shapes have {len(groups_shapes)}")
-    imp = Imported(source=f"deepspeed-universal:{os.path.abspath(folder)}", params={}, zero_stage=stage,
+    imp = Imported(source=f"deepspeed-universal:{files.absolute(folder)}", params={}, zero_stage=stage,
                    world_size=world)
     shared = _shared_scalars(common_path, common)
     for shapes in groups_shapes:
@@ -101,18 +100,18 @@ def _shared_scalars(path: str, common: dict) -> dict[str, Any]:
 
 def _read_param(imp: Imported, folder: str, zero: str, name: str, shape: tuple[int, ...]) -> None:
     """One parameter's fp32 value and optimizer states from zero/<name>/."""
-    where = os.path.join(zero, name)
-    if not name or name in (".", "..") or os.sep in name or "\0" in name:
+    where = files.join(zero, name)
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise CheckpointError(where, f"parameter name {name!r} cannot be a folder of this checkpoint")
-    if not os.path.isdir(where) or not os.path.isfile(os.path.join(where, "fp32.pt")):
+    if not files.isdir(where) or not files.isfile(files.join(where, "fp32.pt")):
         raise CheckpointError(where, "missing: the parameter's fp32.pt")
-    files = sorted(os.listdir(where))
-    if len(files) > MAX_STATES:
-        raise CheckpointError(where, f"holds {len(files)} files, more than the {MAX_STATES} optimizer states read")
+    names = files.listdir(where)
+    if len(names) > MAX_STATES:
+        raise CheckpointError(where, f"holds {len(names)} files, more than the {MAX_STATES} optimizer states read")
     numel = math.prod(shape)
     states, scalars = {}, {}
-    for file in files:
-        path = os.path.join(where, file)
+    for file in names:
+        path = files.join(where, file)
         m = _STATE_FILE.match(file)
         if not m:
             raise CheckpointError(path, "is not an optimizer state file (<state>.pt) of a universal checkpoint")

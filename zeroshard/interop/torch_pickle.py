@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
+import io
 from typing import Any
 
-from zeroshard.errors import CheckpointError, StorageError
-from zeroshard.storage.location import open_regular_file
+from zeroshard.errors import CheckpointError
+from zeroshard.interop import files
 
 MAX_NESTING = 100  # containers inside containers in a foreign file: deeper is refused, not recursed into
 
@@ -53,30 +53,10 @@ STAND_INS = [
 ]
 
 
-def open_inside(path: str, folder: str) -> tuple[int, int]:
-    """(descriptor, size) of the regular file at `path`, which must resolve inside `folder`: a
-    link leading out of the checkpoint folder, a FIFO (which would hang the read), a device or a
-    folder is refused with an error naming `path`."""
-    real, root = os.path.realpath(path), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root:
-        raise CheckpointError(path, f"is a link leading out of the checkpoint folder (to {real})")
-    try:
-        return open_regular_file(real, path, follow_links=False)
-    except StorageError as exc:
-        raise CheckpointError(path, exc.problem) from None
-
-
 def read_small_file(path: str, limit: int) -> bytes:
     """The whole of a small regular file (a FIFO or device refused, not waited on); CheckpointError
-    naming `path` if it is larger than `limit` bytes."""
-    try:
-        fd, size = open_regular_file(path, path, follow_links=True)
-    except StorageError as exc:
-        raise CheckpointError(path, exc.problem) from None
-    with os.fdopen(fd, "rb") as f:
-        if size > limit:
-            raise CheckpointError(path, f"is {size} bytes, more than the {limit} such a file can hold")
-        return f.read(limit + 1)[:limit]
+    naming `path` if it is larger than `limit` bytes. `path` may be a URL."""
+    return files.read_small(path, limit)
 
 
 def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
@@ -101,10 +81,10 @@ def load_pt(path: str, folder: str | None = None) -> Any:
 
     import torch
 
-    fd, _ = open_inside(path, folder or os.path.dirname(path) or ".")
+    raw = files.read_inside(path, folder or files.parent(path))  # torch's legacy format: read whole anyway
     try:
-        with os.fdopen(fd, "rb") as f, torch.serialization.safe_globals(STAND_INS):
-            return torch.load(f, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(STAND_INS):
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(path, f"refused to unpickle: {first_line(exc)}") from None
     except (RuntimeError, EOFError, ValueError, MemoryError, RecursionError, IndexError, KeyError) as exc:

@@ -19,15 +19,16 @@ from __future__ import annotations
 import enum
 import io
 import math
-import os
 import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, StorageError
+from zeroshard.interop import files
 from zeroshard.interop.imported import LazyTensor
-from zeroshard.interop.torch_pickle import MAX_NESTING, STAND_INS, first_line, open_inside
+from zeroshard.interop.torch_pickle import MAX_NESTING, STAND_INS, first_line
+from zeroshard.storage.location import RangeReader
 
 LAZY_BYTES = 1 << 20  # tensors this big are read on demand; smaller ones at once
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl is read whole: a structure, never the tensors' bytes
@@ -44,16 +45,17 @@ class Record:
 
 
 class Source:
-    """An open file and the byte range [base, base + length) that holds the archive; the
-    descriptor is closed when no tensor reads from it any more."""
+    """The byte range [base, base + length) of a file that holds the archive, read through a
+    storage RangeReader (os.preadv locally; ranged GETs with read-ahead on S3). The reader is
+    closed when no tensor reads from it any more."""
 
-    def __init__(self, path: str, fd: int, base: int, length: int) -> None:
-        self.path, self.fd, self.base, self.length = path, fd, base, length
+    def __init__(self, path: str, reader: RangeReader, base: int, length: int) -> None:
+        self.path, self.reader, self.base, self.length = path, reader, base, length
 
     def __del__(self) -> None:
         try:
-            os.close(self.fd)
-        except (OSError, AttributeError):
+            self.reader.close()
+        except (StorageError, OSError, AttributeError):
             pass
 
     def pread(self, n: int, offset: int) -> bytes:
@@ -61,25 +63,17 @@ class Source:
         if offset < 0 or n < 0 or offset + n > self.length:
             raise CheckpointError(self.path, f"zip structure points past the archive's end (bytes {offset}+{n} "
                                              f"of {self.length})")
-        try:
-            raw = os.pread(self.fd, n, self.base + offset)
-        except OSError as exc:
-            raise CheckpointError(self.path, exc.strerror or str(exc)) from None
-        if len(raw) != n:
-            raise CheckpointError(self.path, f"file ends before byte {self.base + offset + n}")
-        return raw
+        return files.read_range(self.reader, self.path, self.base + offset, n)
 
     def read_into(self, tensor: Any, offset: int) -> None:
         """Fill the uint8 `tensor` from archive byte `offset` (no intermediate copy)."""
-        view, done = memoryview(tensor.numpy()), 0
-        while done < len(view):
-            try:
-                got = os.preadv(self.fd, [view[done:]], self.base + offset + done)
-            except OSError as exc:
-                raise CheckpointError(self.path, exc.strerror or str(exc)) from None
-            if got <= 0:
-                raise CheckpointError(self.path, f"file ends before byte {self.base + offset + len(view)}")
-            done += got
+        view = memoryview(tensor.numpy())
+        try:
+            self.reader.read_into(self.base + offset, view)
+        except StorageError as exc:
+            problem = f"file ends before byte {self.base + offset + len(view)}" if "truncated" in exc.problem \
+                else exc.problem
+            raise CheckpointError(self.path, problem) from None
 
 
 def is_zip(src: Source) -> bool:
@@ -310,13 +304,13 @@ class _Reader:
 
 def open_archive(path: str, folder: str, offset: int = 0, length: int | None = None) -> Source:
     """A Source for the archive at bytes [offset, offset + length) of `path` (default: the whole
-    file), which must be a regular file inside `folder`."""
-    fd, size = open_inside(path, folder)
+    file), which must be a regular file inside `folder` (a local path or a URL)."""
+    reader, size = files.open_inside(path, folder)
     length = size - offset if length is None else length
     if offset < 0 or length < 0 or offset + length > size:
-        os.close(fd)
+        reader.close()
         raise CheckpointError(path, f"bytes {offset}+{length} lie past its end ({size} bytes)")
-    return Source(path, fd, offset, length)
+    return Source(path, reader, offset, length)
 
 
 def load_lazy(path: str, folder: str | None = None, lazy_bytes: int | None = None) -> Any:
@@ -324,7 +318,7 @@ def load_lazy(path: str, folder: str | None = None, lazy_bytes: int | None = Non
     legacy (non-zip) format are read whole through load_pt."""
     from zeroshard.interop.torch_pickle import load_pt
 
-    folder = folder or os.path.dirname(path) or "."
+    folder = folder or files.parent(path)
     src = open_archive(path, folder)
     if not is_zip(src):
         del src

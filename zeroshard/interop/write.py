@@ -86,7 +86,8 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     target = Location(out, storage_options)
     # staged even into an empty folder: a killed import then leaves a stage `zeroshard clean`
     # removes, never rank files without a manifest
-    output = prepare_output(target, overwrite, inputs=[Location(source)] if source else [], stage_always=True)
+    inputs = [Location(source, storage_options)] if source else []
+    output = prepare_output(target, overwrite, inputs=inputs, stage_always=True)
     checkpoint_id = uuid.uuid4().hex
     results = [write_rank_file(output.stage, checkpoint_id, rank, world, rank_contents(specs, world, rank), fill,
                                durable=False) for rank in range(world)]
