@@ -55,3 +55,14 @@ def test_an_empty_folder_is_still_not_a_checkpoint(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     code, output = _run(("inspect",), tmp_path / "empty", tmp_path)
     assert code != 0 and "not a zeroshard checkpoint: neither zeroshard.json nor latest found" in output, output
+
+
+def test_an_import_that_fails_is_not_told_to_run_an_import(tmp_path: Path):
+    shutil.copytree(DEEPSPEED, tmp_path / "ds")
+    for victim in (tmp_path / "ds" / "global_step3").glob("*optim_states.pt"):
+        victim.unlink()  # the import fails on the tag folder, which still looks like a DeepSpeed checkpoint
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")],
+                                catch_exceptions=False)
+    assert result.exit_code != 0 and "optimizer files" in result.output, result.output
+    assert "convert it with" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -40,7 +40,9 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug:
                 raise
             hint = None
-            if isinstance(exc, ZeroshardError):  # what to do next, when the input says it (a DeepSpeed folder...)
+            ctx = click.get_current_context(silent=True)
+            importing = ctx is not None and " import " in f" {ctx.command_path} "  # already converting it
+            if isinstance(exc, ZeroshardError) and not importing:  # what to do next (a DeepSpeed folder...)
                 from zeroshard.toolkit.hints import next_step
 
                 hint = next_step(exc, options)
