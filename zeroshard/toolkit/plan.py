@@ -21,9 +21,9 @@ from typing import Sequence
 import numpy as np
 
 from zeroshard.errors import InvalidArgumentError
-from zeroshard.format.layouts import layouts_of
+from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
-from zeroshard.partition_arrays import holders
+from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, plan_output
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files
@@ -124,6 +124,8 @@ def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans:
             if cast not in casts:
                 casts.append(cast)
             rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
+    if chosen is None and isinstance(outputs, RankFilePlans):
+        return plan_ranks(manifest, outputs, sorted(plans))
     sizes = [0] * outputs.count
     for i, p in plans.items():
         sizes[i] = p.size
@@ -132,8 +134,39 @@ def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans:
 
 def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
     """`tensors` of `manifest` as the rank files of a checkpoint at `world_size` (reshard)."""
-    outputs = RankFilePlans(list(tensors), world_size, checkpoint_id)
-    return plan_outputs(manifest, outputs, {rank: outputs.plan(rank) for rank in range(world_size)})
+    return plan_ranks(manifest, RankFilePlans(list(tensors), world_size, checkpoint_id), range(world_size))
+
+
+def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int]) -> Plan:
+    """The pieces of whole rank files `ranks` (ascending), from the runs of alike ranks of their
+    layouts: array operations per run, not a Python loop per fragment."""
+    layouts, ranks = outputs.layouts, list(ranks)
+    runs = [layouts.rank_layout(r) for r in ranks]
+    heads = [len(layouts.header(r)) for r in ranks]
+    sizes = [0] * outputs.count
+    for r, run, h in zip(ranks, runs, heads):
+        sizes[r] = h + run.data_bytes
+    cuts = [k for k in range(len(ranks)) if k == 0 or runs[k] is not runs[k - 1]] + [len(ranks)]
+    parts = [(np.repeat(ranks[a:b], len(run[0])), np.tile(run[0], b - a),
+              np.tile(run[1], b - a) + np.repeat(heads[a:b], len(run[0])), np.tile(run[2], b - a))
+             for a, b in zip(cuts[:-1], cuts[1:]) for run in [_arrays(runs[a])]]
+    empty = [np.zeros(0, dtype=np.int64)] * 4
+    out, tid, begin, nbytes = (np.concatenate(c).astype(np.int64) for c in zip(*parts)) if parts else empty
+    tensors = layouts.tensors
+    numel, itemsize = (np.array([getattr(t, k) for t in tensors], dtype=np.int64)[tid] for k in ("numel", "itemsize"))
+    start = np.where(np.array([t.layout == "flat" for t in tensors], dtype=bool)[tid],
+                     shard_ranges(numel, outputs.world_size, out)[0], 0)
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    to_input = np.array([index[t.name] for t in tensors], dtype=np.int64)
+    return _plan(manifest, outputs, sizes, [None], out, to_input[tid], start, start + nbytes // itemsize, begin,
+                 np.zeros_like(out))
+
+
+def _arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A run's (tensor indices, begins, sizes) as arrays, made once."""
+    if run.arrays is None:
+        run.arrays = tuple(np.asarray(column, dtype=np.int64) for column in (run.tensors, run.begin, run.nbytes))
+    return run.arrays
 
 
 def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None, include: list[str] | None = None,

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
-from zeroshard.format.writer import rank_metadata
+from zeroshard.format.writer import FORMAT_VERSION, rank_metadata
 from zeroshard.partition import chunk_size
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
@@ -75,6 +76,14 @@ class RankFilePlans:
         self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
         self.count = world_size
         self._nbytes: int | None = None
+        self._layouts: RankLayouts | None = None
+
+    @property
+    def layouts(self) -> RankLayouts:
+        """Every output's header and fragment offsets, by runs of alike ranks (made on first use)."""
+        if self._layouts is None:
+            self._layouts = RankLayouts(self.tensors, self.world_size, self.checkpoint_id, FORMAT_VERSION)
+        return self._layouts
 
     def plan(self, rank: int) -> OutputPlan:
         return plan_output(rank_file_name(rank, self.world_size),
