@@ -72,7 +72,7 @@ def run_packed(job: Job, planner: RankFilePlans, task: Task,
 def _run(job: Job, planner: RankFilePlans, task: Task,
          progress: Callable[[int], None] | None) -> dict[int, Finished]:
     manifest, layouts, ranks = job.manifest, planner.layouts, sorted(task.outputs)
-    plan = plan_ranks(manifest, planner, ranks)  # every piece, as arrays (zeroshard.toolkit.plan)
+    plan = task.plan if task.plan is not None else plan_ranks(manifest, planner, ranks)  # pieces (toolkit.plan)
 
     # Outputs: headers, sizes, places in one buffer (8-aligned, so element views line up).
     headers = [layouts.header(r) for r in ranks]

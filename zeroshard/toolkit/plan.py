@@ -25,7 +25,7 @@ from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
-from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, plan_output
+from zeroshard.toolkit.plans import PIECE_BUDGET, TASK_BYTES, FixedPlans, OutputPlan, RankFilePlans, Task, plan_output
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files
 
 COLUMNS = ("input", "input_offset", "output", "output_offset", "nbytes", "cast", "tensor", "input_fragment")
@@ -67,7 +67,8 @@ class Plan:
         return replace(self, **{k: getattr(self, k)[mask] for k in COLUMNS})
 
     def split(self, parts: int) -> list[Plan]:
-        """At most `parts` plans of consecutive whole outputs, about equal in bytes written."""
+        """At most `parts` plans of consecutive whole outputs, about equal in bytes written (a part
+        describes its outputs in `output_sizes`, those with no piece too)."""
         if parts < 1:
             raise InvalidArgumentError(f"a plan splits into at least 1 part, got {parts}")
         per_output = np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes))
@@ -77,7 +78,7 @@ class Plan:
         bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
         return [replace(self.take(slice(a, b)), output_sizes=[s if i0 <= i < i1 else 0
                                                                for i, s in enumerate(self.output_sizes)])
-                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]) if b > a]
+                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:])]  # empty outputs too
 
     def outputs_used(self) -> list[int]:
         """The outputs this plan writes pieces into."""
@@ -101,6 +102,15 @@ class Plan:
             lines.append(f"  {self.outputs.plan(i).name}: {self.output_sizes[i]:,} bytes, "
                          f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input files")
         return "\n".join(lines)
+
+
+def split_tasks(plan: Plan, workers: int = 1) -> list[Task]:
+    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each of about
+    PIECE_BUDGET pieces at most and, for small outputs, TASK_BYTES written; a few per worker."""
+    written = int(plan.written.sum())
+    small = written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)  # on average
+    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1, 4 * workers * (workers > 1))
+    return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part) for part in plan.split(parts)]
 
 
 def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:

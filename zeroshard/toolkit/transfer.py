@@ -118,7 +118,7 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
         from zeroshard.toolkit import gather
         from zeroshard.toolkit.plan import plan_outputs
 
-        plan = plan_outputs(job.manifest, job.planner, plans, task.tensors)
+        plan = task.plan if task.plan is not None else plan_outputs(job.manifest, job.planner, plans, task.tensors)
         sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
         mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
         needed = _pieces_by_input(job.manifest, plan.take(~mapped))
