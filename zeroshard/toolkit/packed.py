@@ -34,7 +34,7 @@ from zeroshard.format.layouts import layouts_of
 from zeroshard.format.manifest import Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plan import plan_ranks
+from zeroshard.toolkit.plan import plan_ranks, run_arrays
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
 PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
@@ -116,8 +116,10 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
     try:
         for k, r in enumerate(ranks):
             run, data_at = layouts.rank_layout(r), int(bases[k]) + len(headers[k])
-            hashes = np.fromiter((xxhash.xxh3_64_intdigest(view[data_at + a:data_at + a + n])
-                                  for a, n in zip(run.begin, run.nbytes)), dtype=np.uint64, count=len(run.begin))
+            _, begin, nbytes = run_arrays(run)
+            begin = begin + data_at  # maps, not a Python loop: 300,000 fragments in a 1,000-rank task
+            hashes = np.fromiter(map(xxhash.xxh3_64_intdigest, map(view.__getitem__, map(
+                slice, begin.tolist(), (begin + nbytes).tolist()))), dtype=np.uint64, count=len(begin))
             table = data_at + run.table_begin
             out_buf[table:table + 8 * len(hashes)] = hashes.astype("<u8").tobytes()
             data = view[int(bases[k]):int(bases[k]) + sizes[k]]

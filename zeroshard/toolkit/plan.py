@@ -159,7 +159,7 @@ def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int])
     cuts = [k for k in range(len(ranks)) if k == 0 or runs[k] is not runs[k - 1]] + [len(ranks)]
     parts = [(np.repeat(ranks[a:b], len(run[0])), np.tile(run[0], b - a),
               np.tile(run[1], b - a) + np.repeat(heads[a:b], len(run[0])), np.tile(run[2], b - a))
-             for a, b in zip(cuts[:-1], cuts[1:]) for run in [_arrays(runs[a])]]
+             for a, b in zip(cuts[:-1], cuts[1:]) for run in [run_arrays(runs[a])]]
     empty = [np.zeros(0, dtype=np.int64)] * 4
     out, tid, begin, nbytes = (np.concatenate(c).astype(np.int64) for c in zip(*parts)) if parts else empty
     tensors = layouts.tensors
@@ -172,7 +172,7 @@ def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int])
                  np.zeros_like(out))
 
 
-def _arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A run's (tensor indices, begins, sizes) as arrays, made once."""
     if run.arrays is None:
         run.arrays = tuple(np.asarray(column, dtype=np.int64) for column in (run.tensors, run.begin, run.nbytes))
