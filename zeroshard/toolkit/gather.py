@@ -9,7 +9,6 @@ per-piece path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -20,55 +19,40 @@ from zeroshard.storage.hashing import hash_bytes
 if TYPE_CHECKING:
     from zeroshard.format.reader import CheckpointReader
     from zeroshard.storage.mapped_file import MappedOutput
+    from zeroshard.toolkit.plan import Plan
 
 WHOLE_HASH_BYTES = 1024 * 1024  # inputs up to this size are checked by their whole-file hash
 GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per byte would cost more)
 
 
-@dataclass
-class FlatPieces:
-    """Pieces as parallel arrays, sorted by input rank then tensor."""
-
-    names: list[str]  # tensor id -> name
-    rank: np.ndarray
-    tensor: np.ndarray
-    source_element: np.ndarray  # offset inside the input fragment, in elements
-    output: np.ndarray  # output index
-    destination: np.ndarray  # byte offset in the output file
-    nbytes: np.ndarray  # bytes read
-    itemsize: np.ndarray  # per piece
-    cast: np.ndarray  # per piece: an index into casts (0: none)
-    casts: list[tuple[str, str] | None]
-
-    def ranks(self) -> list[tuple[int, int, int]]:
-        """(rank, first piece, end piece) for each input rank, in order."""
-        if not len(self.rank):
-            return []
-        starts = np.flatnonzero(np.r_[True, self.rank[1:] != self.rank[:-1]])
-        ends = np.r_[starts[1:], len(self.rank)]
-        return [(int(self.rank[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+def by_input(plan: Plan) -> list[tuple[Plan, int]]:
+    """The plan's pieces in groups of one input file each (sorted by tensor), with its rank."""
+    plan = plan.take(np.lexsort((plan.tensor, plan.input)))
+    starts = np.flatnonzero(np.r_[True, plan.input[1:] != plan.input[:-1]]) if len(plan) else []
+    return [(plan.take(slice(a, b)), int(plan.input[a])) for a, b in zip(starts, [*starts[1:], len(plan)])]
 
 
-def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, first: int, end: int,
-                    outputs: dict[int, "MappedOutput"], progress: Callable[[int], None] | None) -> None:
-    """Copy pieces [first, end) (all from `rank`'s file, which must be local and mapped whole)."""
+def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Plan, outputs: dict[int, "MappedOutput"],
+                    progress: Callable[[int], None] | None) -> None:
+    """Copy `pieces` (all from `rank`'s file, which must be local and mapped whole)."""
     opened = reader.open_file(rank)
     size = opened.header.file_size
     whole = opened.reader.view(0, size)
     entries = opened.header.entries
-    tids = pieces.tensor[first:end]
+    tids = pieces.tensor
     unique = np.unique(tids)
     begins = np.empty(len(unique), dtype=np.int64)
     if reader.verify_hashes:
-        check_input(reader, rank, whole, [pieces.names[tid] for tid in unique.tolist()])
+        check_input(reader, rank, whole, [pieces.tensor_names[tid] for tid in unique.tolist()])
     for i, tid in enumerate(unique.tolist()):
-        begins[i] = entries[pieces.names[tid]].begin
-    source = begins[np.searchsorted(unique, tids)] + pieces.source_element[first:end] * pieces.itemsize[first:end]
+        begins[i] = entries[pieces.tensor_names[tid]].begin
+    # the fragment's place as read in the header, plus the piece's offset inside it
+    source = begins[np.searchsorted(unique, tids)] + pieces.input_offset - pieces.input_fragment
     source_bytes = np.frombuffer(whole, dtype=np.uint8)
-    outs, cast = pieces.output[first:end], pieces.cast[first:end]
+    outs, cast = pieces.output, pieces.cast
     for index in np.unique(outs).tolist():
         mine = (outs == index) & (cast == 0)
-        src, dst, n = source[mine], pieces.destination[first:end][mine], pieces.nbytes[first:end][mine]
+        src, dst, n = source[mine], pieces.output_offset[mine], pieces.nbytes[mine]
         out = outputs[index]
         target = np.frombuffer(out.view, dtype=np.uint8)
         small = n < GATHER_MAX_BYTES
@@ -78,9 +62,9 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, f
             out.view[d:d + k] = whole[s:s + k]
         out.wrote(int(n.sum()))
     for k in np.flatnonzero(cast).tolist():  # casts: one at a time
-        s, n = int(source[k]), int(pieces.nbytes[first + k])
+        s, n = int(source[k]), int(pieces.nbytes[k])
         data = cast_bytes(whole[s:s + n], *pieces.casts[int(cast[k])])
-        at, out = int(pieces.destination[first + k]), outputs[int(outs[k])]
+        at, out = int(pieces.output_offset[k]), outputs[int(outs[k])]
         out.view[at:at + len(data)] = data
         out.wrote(len(data))
     del source_bytes, target, whole
