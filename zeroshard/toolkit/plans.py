@@ -104,7 +104,8 @@ class Task:
     plan: Any = None  # the outputs' pieces, when planned already (a zeroshard.toolkit.plan.Plan)
 
 
-PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
+PIECE_BUDGET = 500_000  # pieces planned at once: bounds the plan's memory (~100 bytes each); a task of a
+# consolidate reads every input, so 1,000 ranks x 300 tensors is one task, not two reading each input
 # output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
 # big outputs are grouped by pieces only (their copies go through bounded windows anyway)
 TASK_BYTES = 32 * 1024 * 1024
