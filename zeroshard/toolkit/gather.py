@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from zeroshard.toolkit.plan import Plan
 
 WHOLE_HASH_BYTES = 1024 * 1024  # inputs up to this size are checked by their whole-file hash
-GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per byte would cost more)
+GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per unit would cost more)
+GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
 
 
 def by_input(plan: Plan) -> list[tuple[Plan, int]]:
@@ -48,26 +49,18 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Plan, outputs
         begins[i] = entries[pieces.tensor_names[tid]].begin
     # the fragment's place as read in the header, plus the piece's offset inside it
     source = begins[np.searchsorted(unique, tids)] + pieces.input_offset - pieces.input_fragment
-    source_bytes = np.frombuffer(whole, dtype=np.uint8)
     outs, cast = pieces.output, pieces.cast
     for index in np.unique(outs).tolist():
         mine = (outs == index) & (cast == 0)
-        src, dst, n = source[mine], pieces.output_offset[mine], pieces.nbytes[mine]
-        out = outputs[index]
-        target = np.frombuffer(out.view, dtype=np.uint8)
-        small = n < GATHER_MAX_BYTES
-        if small.any():
-            _gather(target, source_bytes, src[small], dst[small], n[small])
-        for s, d, k in zip(src[~small].tolist(), dst[~small].tolist(), n[~small].tolist()):
-            out.view[d:d + k] = whole[s:s + k]
-        out.wrote(int(n.sum()))
+        copy_pieces(outputs[index].view, whole, source[mine], pieces.output_offset[mine], pieces.nbytes[mine])
+        outputs[index].wrote(int(pieces.nbytes[mine].sum()))
     for k in np.flatnonzero(cast).tolist():  # casts: one at a time
         s, n = int(source[k]), int(pieces.nbytes[k])
         data = cast_bytes(whole[s:s + n], *pieces.casts[int(cast[k])])
         at, out = int(pieces.output_offset[k]), outputs[int(outs[k])]
         out.view[at:at + len(data)] = data
         out.wrote(len(data))
-    del source_bytes, target, whole
+    del whole
     if progress is not None:
         progress(size)
 
@@ -109,8 +102,29 @@ def check_input(reader: "CheckpointReader", rank: int, whole: memoryview, names)
         raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")
 
 
-def _gather(target: np.ndarray, source: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-    """target[dst[i]:dst[i]+nbytes[i]] = source[src[i]:src[i]+nbytes[i]] for every i, at once."""
-    total = int(nbytes.sum())
-    within = np.arange(total) - np.repeat(np.cumsum(nbytes) - nbytes, nbytes)
-    target[np.repeat(dst, nbytes) + within] = source[np.repeat(src, nbytes) + within]
+def copy_pieces(out_buf, in_buf, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+    """out_buf[dst[i]:dst[i]+nbytes[i]] = in_buf[src[i]:src[i]+nbytes[i]] for every i: small pieces
+    by fancy indexing, in the widest element both sides' offsets allow, big ones as slices."""
+    keep = nbytes > 0
+    src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+    big = nbytes >= GATHER_MAX_BYTES
+    out_view, in_view = memoryview(out_buf), memoryview(in_buf)
+    for s, d, n in zip(src[big].tolist(), dst[big].tolist(), nbytes[big].tolist()):
+        out_view[d:d + n] = in_view[s:s + n]
+    src, dst, nbytes = src[~big], dst[~big], nbytes[~big]
+    if not len(src):
+        return
+    mask = int(np.bitwise_or.reduce(src | dst | nbytes)) | 8
+    width = mask & -mask  # 1, 2, 4 or 8: the largest unit dividing every offset and length
+    unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    target = np.frombuffer(out_buf, dtype=unit, count=len(out_buf) // width)
+    source = np.frombuffer(in_buf, dtype=unit, count=len(in_buf) // width)
+    src, dst, count = src // width, dst // width, nbytes // width
+    ends = np.cumsum(count)
+    cut = 0
+    while cut < len(count):  # bounded batches: the index arrays hold one entry per element
+        stop = max(int(np.searchsorted(ends, ends[cut] - count[cut] + GATHER_ELEMENTS, side="right")), cut + 1)
+        c = count[cut:stop]
+        within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+        target[np.repeat(dst[cut:stop], c) + within] = source[np.repeat(src[cut:stop], c) + within]
+        cut = stop

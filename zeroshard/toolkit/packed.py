@@ -34,6 +34,7 @@ from zeroshard.format.layouts import layouts_of
 from zeroshard.format.manifest import Manifest, rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import Location
+from zeroshard.toolkit.gather import copy_pieces
 from zeroshard.toolkit.plan import plan_ranks, run_arrays
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
@@ -41,8 +42,6 @@ PACK_FILE_BYTES = 8 * 1024 * 1024  # outputs up to this size take this path
 PACK_INPUT_BYTES = 64 * 1024 * 1024  # ... from inputs up to this size (read whole, by every task that needs them)
 TASK_INPUT_BYTES = 192 * 1024 * 1024  # a task needing more input than this is left to the general path
 PACK_MIN_FILES = 64  # inputs + outputs: below this, per-file costs do not matter and the general path serves
-GATHER_MAX_BYTES = 64 * 1024  # bigger pieces are copied as slices
-GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
 
 def fits(job: Job, planner: RankFilePlans) -> bool:
     """Whether this job's inputs and outputs are local files small enough for this path."""
@@ -104,7 +103,7 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
             raise _Fallback  # a header composed otherwise (a valid file from another writer?): parse it there
     in_at = np.zeros(manifest.world_size, dtype=np.int64)
     in_at[needed] = in_base[:-1]
-    _gather(out_buf, in_buf, in_at[plan.input] + plan.input_offset, out_at[plan.output] + plan.output_offset,
+    copy_pieces(out_buf, in_buf, in_at[plan.input] + plan.input_offset, out_at[plan.output] + plan.output_offset,
             plan.nbytes)
     del in_view, in_buf
 
@@ -152,31 +151,3 @@ def _explain_mismatch(source: Location, manifest: Manifest, rank: int) -> None:
                     raise CheckpointError(reader.where(rank),
                                           f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
         raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")
-
-
-def _gather(out_buf: bytearray, in_buf: bytearray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-    """out_buf[dst[i]:dst[i]+nbytes[i]] = in_buf[src[i]:src[i]+nbytes[i]] for every i: small pieces
-    by fancy indexing, in the widest element both sides' offsets allow, big ones as slices."""
-    keep = nbytes > 0
-    src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
-    big = nbytes >= GATHER_MAX_BYTES
-    out_view, in_view = memoryview(out_buf), memoryview(in_buf)
-    for s, d, n in zip(src[big].tolist(), dst[big].tolist(), nbytes[big].tolist()):
-        out_view[d:d + n] = in_view[s:s + n]
-    src, dst, nbytes = src[~big], dst[~big], nbytes[~big]
-    if not len(src):
-        return
-    mask = int(np.bitwise_or.reduce(src | dst | nbytes)) | 8
-    width = mask & -mask  # 1, 2, 4 or 8: the largest unit dividing every offset and length
-    unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
-    target = np.frombuffer(out_buf, dtype=unit, count=len(out_buf) // width)
-    source = np.frombuffer(in_buf, dtype=unit, count=len(in_buf) // width)
-    src, dst, count = src // width, dst // width, nbytes // width
-    ends = np.cumsum(count)
-    cut = 0
-    while cut < len(count):  # bounded batches: the index arrays hold one entry per element
-        stop = max(int(np.searchsorted(ends, ends[cut] - count[cut] + GATHER_ELEMENTS, side="right")), cut + 1)
-        c = count[cut:stop]
-        within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
-        target[np.repeat(dst[cut:stop], c) + within] = source[np.repeat(src[cut:stop], c) + within]
-        cut = stop
