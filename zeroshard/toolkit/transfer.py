@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroshard.errors import CheckpointError
@@ -57,7 +59,9 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
                 results.update(run_task(job, task, progress))
             return results
         with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
-            futures = [pool.submit(run_task, job, task) for task in tasks]
+            # processes re-plan their own outputs, side by side, rather than unpickle the pieces
+            threads = isinstance(pool, ThreadPoolExecutor)
+            futures = [pool.submit(run_task, job, task if threads else replace(task, plan=None)) for task in tasks]
             try:
                 for done, future in enumerate(futures):
                     results.update(future.result())
