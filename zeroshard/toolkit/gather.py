@@ -9,7 +9,7 @@ per-piece path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -19,21 +19,21 @@ from zeroshard.storage.hashing import hash_bytes
 if TYPE_CHECKING:
     from zeroshard.format.reader import CheckpointReader
     from zeroshard.storage.mapped_file import MappedOutput
-    from zeroshard.toolkit.plan import Plan
 
 WHOLE_HASH_BYTES = 1024 * 1024  # inputs up to this size are checked by their whole-file hash
 GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per unit would cost more)
 GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
 
 
-def by_input(plan: Plan) -> list[tuple[Plan, int]]:
-    """The plan's pieces in groups of one input file each (sorted by tensor), with its rank."""
+def by_input(plan: Any) -> list[tuple[Any, int]]:
+    """A zeroshard.toolkit.plan.Plan's pieces in groups of one input file each (sorted by tensor),
+    with its rank. (Plan is not imported: plan -> selection -> load -> gather would be a circle.)"""
     plan = plan.take(np.lexsort((plan.tensor, plan.input)))
     starts = np.flatnonzero(np.r_[True, plan.input[1:] != plan.input[:-1]]) if len(plan) else []
     return [(plan.take(slice(a, b)), int(plan.input[a])) for a, b in zip(starts, [*starts[1:], len(plan)])]
 
 
-def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Plan, outputs: dict[int, "MappedOutput"],
+def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Any, outputs: dict[int, "MappedOutput"],
                     progress: Callable[[int], None] | None) -> None:
     """Copy `pieces` (all from `rank`'s file, which must be local and mapped whole)."""
     opened = reader.open_file(rank)
