@@ -220,3 +220,29 @@ def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
     last = shard_range(120, 3, 2)  # the last piece of w: rank 2's fragment, never copied
     assert out["w"].reshape(-1)[:last[0]].equal(data["w"].reshape(-1)[:last[0]])
     assert (out["w"].reshape(-1)[last[0]:] == 0).all()
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_the_remote_executor_writes_the_local_executors_bytes_from_split_plans(tmp_path, seed):
+    """stream.py (what S3 outputs and the torchrun mode use) carries out the plan's pieces, dealt
+    out by Plan.split: the rank files are byte for byte those of the local executor."""
+    import json
+
+    from zeroshard.storage.location import Location
+    from zeroshard.toolkit.plan import plan_rank_files
+    from zeroshard.toolkit.reshard import reshard
+    from zeroshard.toolkit.stream import stream_outputs
+
+    world, _ = random_checkpoint(random.Random(seed), str(tmp_path / "ck"))
+    to = world + 2
+    reshard(str(tmp_path / "ck"), to, str(tmp_path / "local"))
+    checkpoint_id = json.loads((tmp_path / "local" / "zeroshard.json").read_text())["id"]
+    source, manifest = open_checkpoint(str(tmp_path / "ck"))
+    plan = plan_rank_files(manifest, [t for t in manifest.tensors.values() if t.layout != "local"], to, checkpoint_id)
+    target = Location(str(tmp_path / "remote"))
+    target.makedirs()
+    results = [r for part in plan.split(3) for r in stream_outputs(source, manifest, target, part)]
+    names = sorted(p.name for p in (tmp_path / "local").glob("rank-*"))
+    assert sorted(r.file.name for r in results) == names and len(names) == to
+    for name in names:
+        assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name

@@ -18,13 +18,12 @@ import os
 import re
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import CheckpointReader, open_checkpoint
+from zeroshard.format import open_checkpoint
 from zeroshard.format.full_model import HF_INDEX_NAME, split_file_url
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.storage.stream_writer import SafetensorsStreamWriter
 from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
@@ -54,8 +53,14 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
-        write = _write_rank_major if folder.local else _write_streaming
-        write(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
+        if folder.local:
+            _write_rank_major(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
+        else:  # one writer per object, front to back (toolkit.stream)
+            from zeroshard.toolkit.plan import plan_files
+            from zeroshard.toolkit.stream import stream_outputs
+
+            stream_outputs(source, manifest, output.stage if output else folder, plan_files(manifest, names, shards),
+                           bar.update)
     if output is not None:
         finish_folder(output, names, shards, total, config_bytes)
     return [folder.url_of(name) for name in names] + ([folder.url_of(CONFIG_NAME)] if config_bytes else [])
@@ -158,33 +163,6 @@ def _write_rank_major(source: Location, manifest: Manifest, folder: Location, na
         for output in outputs:
             output.discard()
         raise
-
-
-def _write_streaming(source: Location, manifest: Manifest, folder: Location, names: list[str],
-                     shards: list[list[OutputTensor]], progress, workers: int) -> None:
-    """Remote outputs are written front to back; every read is planned up front
-    (CheckpointReader.iter_planned), so many are in flight at once."""
-    with CheckpointReader(source, manifest) as reader:
-        chunks = reader.iter_planned((t.source, 0, t.source.numel) for shard in shards for t in shard)
-        for name, shard_tensors in zip(names, shards):
-            layout = [(t.name, t.dtype, t.source.shape) for t in shard_tensors]
-            with SafetensorsStreamWriter(folder, name, layout, {"format": "pt"}, write_behind=True) as writer:
-                for tensor in shard_tensors:
-                    remaining = tensor.source.nbytes
-                    while remaining:
-                        chunk = next(chunks)
-                        remaining -= len(chunk)
-                        data = _cast(chunk, tensor.source.dtype, tensor.dtype)
-                        writer.write(data)
-                        progress(len(data))
-
-
-def _cast(chunk: memoryview, src: str, dst: str) -> memoryview:
-    if src == dst:
-        return chunk
-    from zeroshard.toolkit.gather import cast_bytes  # numpy and torch: only when a cast is asked
-
-    return cast_bytes(chunk, src, dst)
 
 
 def finish_folder(output: PreparedOutput, names: list[str], shards: list[list[OutputTensor]], total: int,

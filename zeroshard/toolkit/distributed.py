@@ -27,26 +27,21 @@ import hashlib
 import os
 import sys
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import (
-    CheckpointReader,
-    FileEntry,
-    RankFileResult,
-    build_manifest,
-    rank_contents,
-    update_latest,
-    write_rank_file,
-)
+from zeroshard.format import FileEntry, RankFileResult, build_manifest, update_latest
 from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.identity import identity
 from zeroshard.storage.location import Location, parse_storage_options
 from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.plans import Finished, FixedPlans, RankFilePlans, Task, plan_output, split_output, split_tasks
+from zeroshard.toolkit.plan import Plan, plan_files, plan_ranks, split_tasks
+from zeroshard.toolkit.plans import Finished, FixedPlans, RankFilePlans, Task, plan_output, split_output
+from zeroshard.toolkit.stream import stream_outputs
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 
 
@@ -83,19 +78,19 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
 
     stage_url, checkpoint_id = _on_rank0(prepare)
     stage = Location(stage_url, storage_options)
+    planner = RankFilePlans(specs, world_size, checkpoint_id)
+    plan = plan_ranks(manifest, planner, range(world_size))  # every process plans alike, then takes its share
     if stage.local:  # rank-major into memory-mapped files (transfer.py), whole files per task
-        planner = RankFilePlans(specs, world_size, checkpoint_id)
         job = Job(source.url, source.storage_options, manifest, stage_url, planner)
-        mine = split_tasks(planner, manifest.world_size, procs * max(workers, 1))[rank::procs]
+        mine = split_tasks(plan, procs * max(workers, 1))[rank::procs]
 
         def write() -> list[RankFileResult]:
             return [RankFileResult(FileEntry(f.name, index, f.size, f.file_hash), f.fragment_hashes)
                     for index, f in _run_and_sync(job, mine, workers).items()]
     else:  # object store: each process streams whole rank files, a contiguous band of output ranks
-        band = _band(world_size, rank, procs)
 
         def write() -> list[RankFileResult]:
-            return _stream_rank_files(source, manifest, stage, specs, world_size, checkpoint_id, band)
+            return stream_outputs(source, manifest, stage, _share(plan, rank, procs))
 
     def finish(written: list[list[RankFileResult]]) -> None:
         results = [result for part in written for result in part]
@@ -183,11 +178,9 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         def write() -> None:
             _run_and_sync(job, tasks[rank::procs], workers)
     else:  # object store: an object is written front to back by one writer, so files are dealt out whole
-        band = _band(len(names), rank, procs)
 
         def write() -> None:
-            single._write_streaming(source, manifest, stage, [names[i] for i in band], [shards[i] for i in band],
-                                    lambda nbytes: None, 1)
+            stream_outputs(source, manifest, stage, _share(plan_files(manifest, names, shards), rank, procs))
 
     def finish() -> None:
         if stage.local:
@@ -253,29 +246,11 @@ def _same_everywhere(described: list[dict[str, str]]) -> None:
                              + "; ".join(problems[:3]) + more)
 
 
-def _band(count: int, rank: int, procs: int) -> range:
-    """Process `rank`'s share of `count` outputs: a contiguous band (neighbouring outputs read
-    neighbouring inputs), the bands as equal as they can be."""
-    return range(count * rank // procs, count * (rank + 1) // procs)
-
-
-def _stream_rank_files(source: Location, manifest: Manifest, stage: Location, specs: list, world_size: int,
-                       checkpoint_id: str, ranks: range) -> list[RankFileResult]:
-    """Rank files `ranks` written front to back into an object store, their reads planned up front
-    (CheckpointReader.iter_planned) so that many GETs are in flight, as reshard's streaming path."""
-    contents = {r: rank_contents(specs, world_size, r) for r in ranks}
-    with CheckpointReader(source, manifest) as reader:
-        chunks = reader.iter_planned(item for r in ranks for item in contents[r])
-
-        def fill(spec: Any, start: int, end: int, write: Any) -> None:
-            remaining = (end - start) * spec.itemsize
-            while remaining:  # requests come in the order fill is called: the next chunks are ours
-                chunk = next(chunks)
-                write(chunk)
-                remaining -= len(chunk)
-
-        return [write_rank_file(stage, checkpoint_id, r, world_size, contents[r], fill, durable=False,
-                                write_behind=True) for r in ranks]
+def _share(plan: Plan, rank: int, procs: int) -> Plan:
+    """Process `rank`'s share of the outputs: a contiguous band (neighbouring outputs read
+    neighbouring inputs), about equal in bytes; none when there are fewer outputs than processes."""
+    parts = plan.split(procs)
+    return parts[rank] if rank < len(parts) else replace(plan.take(slice(0, 0)), output_sizes=[])
 
 
 def _finished_stubs(plans: list, temp_paths: dict[int, str]) -> list:

@@ -9,8 +9,7 @@ per-piece path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -22,68 +21,46 @@ if TYPE_CHECKING:
     from zeroshard.storage.mapped_file import MappedOutput
 
 WHOLE_HASH_BYTES = 1024 * 1024  # inputs up to this size are checked by their whole-file hash
-GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per byte would cost more)
+GATHER_MAX_BYTES = 64 * 1024  # larger pieces are copied as slices (an index per unit would cost more)
+GATHER_ELEMENTS = 1 << 20  # index arrays built per gather: bounds their memory (~25 MiB)
 
 
-@dataclass
-class FlatPieces:
-    """Pieces as parallel arrays, sorted by input rank then tensor."""
-
-    names: list[str]  # tensor id -> name
-    rank: np.ndarray
-    tensor: np.ndarray
-    source_element: np.ndarray  # offset inside the input fragment, in elements
-    output: np.ndarray  # output index
-    destination: np.ndarray  # byte offset in the output file
-    nbytes: np.ndarray  # bytes read
-    itemsize: np.ndarray  # per piece
-    cast: np.ndarray  # per piece: an index into casts (0: none)
-    casts: list[tuple[str, str] | None]
-
-    def ranks(self) -> list[tuple[int, int, int]]:
-        """(rank, first piece, end piece) for each input rank, in order."""
-        if not len(self.rank):
-            return []
-        starts = np.flatnonzero(np.r_[True, self.rank[1:] != self.rank[:-1]])
-        ends = np.r_[starts[1:], len(self.rank)]
-        return [(int(self.rank[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+def by_input(plan: Any) -> list[tuple[Any, int]]:
+    """A zeroshard.toolkit.plan.Plan's pieces in groups of one input file each (sorted by tensor),
+    with its rank. (Plan is not imported: plan -> selection -> load -> gather would be a circle.)"""
+    plan = plan.take(np.lexsort((plan.tensor, plan.input)))
+    starts = np.flatnonzero(np.r_[True, plan.input[1:] != plan.input[:-1]]) if len(plan) else []
+    return [(plan.take(slice(a, b)), int(plan.input[a])) for a, b in zip(starts, [*starts[1:], len(plan)])]
 
 
-def copy_from_input(reader: "CheckpointReader", rank: int, pieces: FlatPieces, first: int, end: int,
-                    outputs: dict[int, "MappedOutput"], progress: Callable[[int], None] | None) -> None:
-    """Copy pieces [first, end) (all from `rank`'s file, which must be local and mapped whole)."""
+def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Any, outputs: dict[int, "MappedOutput"],
+                    progress: Callable[[int], None] | None) -> None:
+    """Copy `pieces` (all from `rank`'s file, which must be local and mapped whole)."""
     opened = reader.open_file(rank)
     size = opened.header.file_size
     whole = opened.reader.view(0, size)
     entries = opened.header.entries
-    tids = pieces.tensor[first:end]
+    tids = pieces.tensor
     unique = np.unique(tids)
     begins = np.empty(len(unique), dtype=np.int64)
     if reader.verify_hashes:
-        check_input(reader, rank, whole, [pieces.names[tid] for tid in unique.tolist()])
+        check_input(reader, rank, whole, [pieces.tensor_names[tid] for tid in unique.tolist()])
     for i, tid in enumerate(unique.tolist()):
-        begins[i] = entries[pieces.names[tid]].begin
-    source = begins[np.searchsorted(unique, tids)] + pieces.source_element[first:end] * pieces.itemsize[first:end]
-    source_bytes = np.frombuffer(whole, dtype=np.uint8)
-    outs, cast = pieces.output[first:end], pieces.cast[first:end]
+        begins[i] = entries[pieces.tensor_names[tid]].begin
+    # the fragment's place as read in the header, plus the piece's offset inside it
+    source = begins[np.searchsorted(unique, tids)] + pieces.input_offset - pieces.input_fragment
+    outs, cast = pieces.output, pieces.cast
     for index in np.unique(outs).tolist():
         mine = (outs == index) & (cast == 0)
-        src, dst, n = source[mine], pieces.destination[first:end][mine], pieces.nbytes[first:end][mine]
-        out = outputs[index]
-        target = np.frombuffer(out.view, dtype=np.uint8)
-        small = n < GATHER_MAX_BYTES
-        if small.any():
-            _gather(target, source_bytes, src[small], dst[small], n[small])
-        for s, d, k in zip(src[~small].tolist(), dst[~small].tolist(), n[~small].tolist()):
-            out.view[d:d + k] = whole[s:s + k]
-        out.wrote(int(n.sum()))
+        copy_pieces(outputs[index].view, whole, source[mine], pieces.output_offset[mine], pieces.nbytes[mine])
+        outputs[index].wrote(int(pieces.nbytes[mine].sum()))
     for k in np.flatnonzero(cast).tolist():  # casts: one at a time
-        s, n = int(source[k]), int(pieces.nbytes[first + k])
+        s, n = int(source[k]), int(pieces.nbytes[k])
         data = cast_bytes(whole[s:s + n], *pieces.casts[int(cast[k])])
-        at, out = int(pieces.destination[first + k]), outputs[int(outs[k])]
+        at, out = int(pieces.output_offset[k]), outputs[int(outs[k])]
         out.view[at:at + len(data)] = data
         out.wrote(len(data))
-    del source_bytes, target, whole
+    del whole
     if progress is not None:
         progress(size)
 
@@ -125,8 +102,29 @@ def check_input(reader: "CheckpointReader", rank: int, whole: memoryview, names)
         raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")
 
 
-def _gather(target: np.ndarray, source: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-    """target[dst[i]:dst[i]+nbytes[i]] = source[src[i]:src[i]+nbytes[i]] for every i, at once."""
-    total = int(nbytes.sum())
-    within = np.arange(total) - np.repeat(np.cumsum(nbytes) - nbytes, nbytes)
-    target[np.repeat(dst, nbytes) + within] = source[np.repeat(src, nbytes) + within]
+def copy_pieces(out_buf, in_buf, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+    """out_buf[dst[i]:dst[i]+nbytes[i]] = in_buf[src[i]:src[i]+nbytes[i]] for every i: small pieces
+    by fancy indexing, in the widest element both sides' offsets allow, big ones as slices."""
+    keep = nbytes > 0
+    src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+    big = nbytes >= GATHER_MAX_BYTES
+    out_view, in_view = memoryview(out_buf), memoryview(in_buf)
+    for s, d, n in zip(src[big].tolist(), dst[big].tolist(), nbytes[big].tolist()):
+        out_view[d:d + n] = in_view[s:s + n]
+    src, dst, nbytes = src[~big], dst[~big], nbytes[~big]
+    if not len(src):
+        return
+    mask = int(np.bitwise_or.reduce(src | dst | nbytes)) | 8
+    width = mask & -mask  # 1, 2, 4 or 8: the largest unit dividing every offset and length
+    unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    target = np.frombuffer(out_buf, dtype=unit, count=len(out_buf) // width)
+    source = np.frombuffer(in_buf, dtype=unit, count=len(in_buf) // width)
+    src, dst, count = src // width, dst // width, nbytes // width
+    ends = np.cumsum(count)
+    cut = 0
+    while cut < len(count):  # bounded batches: the index arrays hold one entry per element
+        stop = max(int(np.searchsorted(ends, ends[cut] - count[cut] + GATHER_ELEMENTS, side="right")), cut + 1)
+        c = count[cut:stop]
+        within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+        target[np.repeat(dst[cut:stop], c) + within] = source[np.repeat(src[cut:stop], c) + within]
+        cut = stop

@@ -21,11 +21,11 @@ from typing import Sequence
 import numpy as np
 
 from zeroshard.errors import InvalidArgumentError
-from zeroshard.format.layouts import layouts_of
+from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
-from zeroshard.partition_arrays import holders
+from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
-from zeroshard.toolkit.plans import FixedPlans, OutputPlan, RankFilePlans, plan_output
+from zeroshard.toolkit.plans import PIECE_BUDGET, TASK_BYTES, FixedPlans, OutputPlan, RankFilePlans, Task, plan_output
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files
 
 COLUMNS = ("input", "input_offset", "output", "output_offset", "nbytes", "cast", "tensor", "input_fragment")
@@ -67,7 +67,8 @@ class Plan:
         return replace(self, **{k: getattr(self, k)[mask] for k in COLUMNS})
 
     def split(self, parts: int) -> list[Plan]:
-        """At most `parts` plans of consecutive whole outputs, about equal in bytes written."""
+        """At most `parts` plans of consecutive whole outputs, about equal in bytes written (a part
+        describes its outputs in `output_sizes`, those with no piece too)."""
         if parts < 1:
             raise InvalidArgumentError(f"a plan splits into at least 1 part, got {parts}")
         per_output = np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes))
@@ -77,7 +78,7 @@ class Plan:
         bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
         return [replace(self.take(slice(a, b)), output_sizes=[s if i0 <= i < i1 else 0
                                                                for i, s in enumerate(self.output_sizes)])
-                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]) if b > a]
+                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:])]  # empty outputs too
 
     def outputs_used(self) -> list[int]:
         """The outputs this plan writes pieces into."""
@@ -103,6 +104,15 @@ class Plan:
         return "\n".join(lines)
 
 
+def split_tasks(plan: Plan, workers: int = 1) -> list[Task]:
+    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each of about
+    PIECE_BUDGET pieces at most and, for small outputs, TASK_BYTES written; a few per worker."""
+    written = int(plan.written.sum())
+    small = written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)  # on average
+    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1, 4 * workers * (workers > 1))
+    return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part) for part in plan.split(parts)]
+
+
 def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
     """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
@@ -124,6 +134,8 @@ def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans:
             if cast not in casts:
                 casts.append(cast)
             rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
+    if chosen is None and isinstance(outputs, RankFilePlans):
+        return plan_ranks(manifest, outputs, sorted(plans))
     sizes = [0] * outputs.count
     for i, p in plans.items():
         sizes[i] = p.size
@@ -132,8 +144,39 @@ def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans:
 
 def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
     """`tensors` of `manifest` as the rank files of a checkpoint at `world_size` (reshard)."""
-    outputs = RankFilePlans(list(tensors), world_size, checkpoint_id)
-    return plan_outputs(manifest, outputs, {rank: outputs.plan(rank) for rank in range(world_size)})
+    return plan_ranks(manifest, RankFilePlans(list(tensors), world_size, checkpoint_id), range(world_size))
+
+
+def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int]) -> Plan:
+    """The pieces of whole rank files `ranks` (ascending), from the runs of alike ranks of their
+    layouts: array operations per run, not a Python loop per fragment."""
+    layouts, ranks = outputs.layouts, list(ranks)
+    runs = [layouts.rank_layout(r) for r in ranks]
+    heads = [len(layouts.header(r)) for r in ranks]
+    sizes = [0] * outputs.count
+    for r, run, h in zip(ranks, runs, heads):
+        sizes[r] = h + run.data_bytes
+    cuts = [k for k in range(len(ranks)) if k == 0 or runs[k] is not runs[k - 1]] + [len(ranks)]
+    parts = [(np.repeat(ranks[a:b], len(run[0])), np.tile(run[0], b - a),
+              np.tile(run[1], b - a) + np.repeat(heads[a:b], len(run[0])), np.tile(run[2], b - a))
+             for a, b in zip(cuts[:-1], cuts[1:]) for run in [run_arrays(runs[a])]]
+    empty = [np.zeros(0, dtype=np.int64)] * 4
+    out, tid, begin, nbytes = (np.concatenate(c).astype(np.int64) for c in zip(*parts)) if parts else empty
+    tensors = layouts.tensors
+    numel, itemsize = (np.array([getattr(t, k) for t in tensors], dtype=np.int64)[tid] for k in ("numel", "itemsize"))
+    start = np.where(np.array([t.layout == "flat" for t in tensors], dtype=bool)[tid],
+                     shard_ranges(numel, outputs.world_size, out)[0], 0)
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    to_input = np.array([index[t.name] for t in tensors], dtype=np.int64)
+    return _plan(manifest, outputs, sizes, [None], out, to_input[tid], start, start + nbytes // itemsize, begin,
+                 np.zeros_like(out))
+
+
+def run_arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A run's (tensor indices, begins, sizes) as arrays, made once."""
+    if run.arrays is None:
+        run.arrays = tuple(np.asarray(column, dtype=np.int64) for column in (run.tensors, run.begin, run.nbytes))
+    return run.arrays
 
 
 def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None, include: list[str] | None = None,

@@ -5,11 +5,11 @@ Job is what it is given, Finished what each task returns)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
+from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import HASH_TABLE_NAME, Manifest, TensorEntry, rank_contents, rank_file_name
-from zeroshard.format.writer import rank_metadata
-from zeroshard.partition import chunk_size
+from zeroshard.format.writer import FORMAT_VERSION, rank_metadata
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 
@@ -74,22 +74,20 @@ class RankFilePlans:
     def __init__(self, tensors: list[TensorEntry], world_size: int, checkpoint_id: str):
         self.tensors, self.world_size, self.checkpoint_id = tensors, world_size, checkpoint_id
         self.count = world_size
-        self._nbytes: int | None = None
+        self._layouts: RankLayouts | None = None
+
+    @property
+    def layouts(self) -> RankLayouts:
+        """Every output's header and fragment offsets, by runs of alike ranks (made on first use)."""
+        if self._layouts is None:
+            self._layouts = RankLayouts(self.tensors, self.world_size, self.checkpoint_id, FORMAT_VERSION)
+        return self._layouts
 
     def plan(self, rank: int) -> OutputPlan:
         return plan_output(rank_file_name(rank, self.world_size),
                            [(t.name, t, start, end, t.dtype, (end - start,))
                             for t, start, end in rank_contents(self.tensors, self.world_size, rank)],
                            rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
-
-    def pieces(self, index: int, source_world: int) -> int:
-        return len(self.tensors) * (chunk_size(source_world, self.world_size) + 1)
-
-    def nbytes(self, index: int) -> int:
-        """About how big each output is (for grouping outputs into tasks)."""
-        if self._nbytes is None:
-            self._nbytes = chunk_size(sum(t.nbytes for t in self.tensors), self.world_size)
-        return self._nbytes
 
 
 def _piece_count(t: OutTensor, source_world: int) -> int:
@@ -103,36 +101,14 @@ class Task:
 
     outputs: list[int]
     tensors: dict[int, list[int]] | None = None  # set: the outputs exist already (created by the caller)
+    plan: Any = None  # the outputs' pieces, when planned already (a zeroshard.toolkit.plan.Plan)
 
 
-PIECE_BUDGET = 200_000  # pieces planned at once: bounds the plan's memory (~100 bytes each)
+PIECE_BUDGET = 500_000  # pieces planned at once: bounds the plan's memory (~100 bytes each); a task of a
+# consolidate reads every input, so 1,000 ranks x 300 tensors is one task, not two reading each input
 # output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
 # big outputs are grouped by pieces only (their copies go through bounded windows anyway)
 TASK_BYTES = 32 * 1024 * 1024
-
-
-def split_tasks(planner: RankFilePlans, source_world: int, workers: int = 1) -> list[Task]:
-    """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each planning
-    at most about PIECE_BUDGET pieces (and, for small outputs, TASK_BYTES of output), with a few
-    tasks per worker when there are workers."""
-    costs = [planner.pieces(i, source_world) for i in range(planner.count)]
-    sizes = [planner.nbytes(i) for i in range(planner.count)]
-    budget = PIECE_BUDGET
-    if workers > 1:
-        budget = max(1, min(budget, -(-sum(costs) // (workers * 4))))
-    tasks: list[Task] = []
-    group: list[int] = []
-    used = used_bytes = 0
-    for index, (cost, size) in enumerate(zip(costs, sizes)):
-        if group and (used + cost > budget or (size <= TASK_BYTES // 4 and used_bytes + size > TASK_BYTES)):
-            tasks.append(Task(group))
-            group, used, used_bytes = [], 0, 0
-        group.append(index)
-        used += cost
-        used_bytes += size
-    if group:
-        tasks.append(Task(group))
-    return tasks
 
 
 def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) -> list[Task]:

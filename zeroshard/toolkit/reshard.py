@@ -4,7 +4,7 @@ Pure range arithmetic: each output fragment is assembled from the input fragment
 it. Local outputs are written rank-major (zeroshard.toolkit.transfer): each input file read
 once, front to back, every piece dropped at its place in memory-mapped outputs, optionally by
 several worker processes; many small files are built in memory instead (toolkit.packed). S3
-outputs are streamed file by file. Inputs are hash-checked on the way in (a small file read whole
+outputs are streamed file by file (toolkit.stream). Inputs are hash-checked on the way in (a small file read whole
 by its whole-file hash, else fragment by fragment) and every output fragment is hashed on the way
 out. Per-rank ('local') items such as RNG states have no
 meaning at a new world size and are dropped (listed in the result).
@@ -18,20 +18,17 @@ from dataclasses import dataclass
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import (
-    CheckpointReader,
     FileEntry,
     RankFileResult,
     TensorSpec,
     build_manifest,
     open_checkpoint,
-    rank_contents,
     update_latest,
-    write_rank_file,
 )
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plans import RankFilePlans, split_tasks
+from zeroshard.toolkit.plans import RankFilePlans
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
 from zeroshard.toolkit.workers import auto_workers
@@ -73,8 +70,15 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     if workers is None:
         workers = auto_workers(manifest.world_size + world_size, total)
     with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
-        write = _write_rank_major if output.stage.local else _write_streaming
-        results = write(source, manifest, output.stage, specs, world_size, checkpoint_id, bar.update, workers)
+        if output.stage.local:
+            results = _write_rank_major(source, manifest, output.stage, specs, world_size, checkpoint_id, bar.update,
+                                        workers)
+        else:  # one writer per object, front to back (toolkit.stream)
+            from zeroshard.toolkit.plan import plan_rank_files
+            from zeroshard.toolkit.stream import stream_outputs
+
+            results = stream_outputs(source, manifest, output.stage,
+                                     plan_rank_files(manifest, specs, world_size, checkpoint_id), bar.update)
     extra = dict(manifest.extra)
     extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}
     new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
@@ -104,7 +108,10 @@ def _write_rank_major(source: Location, manifest: Manifest, target: Location, sp
     planner = RankFilePlans(specs, world_size, checkpoint_id)
     job = Job(source.url, source.storage_options, manifest, target.url, planner)
     total = sum(t.nbytes for t in specs)
-    finished = run_transfer(job, split_tasks(planner, manifest.world_size, workers), workers, progress, total)
+    from zeroshard.toolkit.plan import plan_ranks, split_tasks  # numpy: when a copy starts
+
+    tasks = split_tasks(plan_ranks(manifest, planner, range(world_size)), workers)
+    finished = run_transfer(job, tasks, workers, progress, total)
     try:
         commit(target, finished.values())
     except BaseException:
@@ -112,24 +119,3 @@ def _write_rank_major(source: Location, manifest: Manifest, target: Location, sp
         raise
     return [RankFileResult(FileEntry(f.name, rank, f.size, f.file_hash), f.fragment_hashes)
             for rank, f in sorted(finished.items())]
-
-
-def _write_streaming(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
-                     checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
-    """Remote outputs are written front to back, one file at a time; the reads of every file are
-    planned up front (CheckpointReader.iter_planned), so many are in flight at once."""
-    contents = [rank_contents(specs, world_size, rank) for rank in range(world_size)]
-    with CheckpointReader(source, manifest) as reader:
-        chunks = reader.iter_planned(item for rank_items in contents for item in rank_items)
-
-        def fill(spec: TensorSpec, start: int, end: int, write) -> None:
-            remaining = (end - start) * spec.itemsize
-            while remaining:  # requests come in the order fill is called: the next chunks are ours
-                chunk = next(chunks)
-                write(chunk)
-                progress(len(chunk))
-                remaining -= len(chunk)
-
-        return [write_rank_file(target, checkpoint_id, rank, world_size, contents[rank], fill,
-                                durable=False, write_behind=True)
-                for rank in range(world_size)]

@@ -13,14 +13,16 @@ Work splits by output (whole files, or tensor ranges of one big file: zeroshard.
 into tasks that run in this
 process or in `workers` threads (big files) or processes (zeroshard.toolkit.workers).
 
-Outputs on S3 cannot be written out of order; those are streamed per file instead
-(zeroshard.format.writer.write_rank_file fed by CheckpointReader.iter_planned).
+Outputs on S3 cannot be written out of order; those take the remote executor
+(zeroshard.toolkit.stream).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroshard.errors import CheckpointError
@@ -36,7 +38,6 @@ from zeroshard.toolkit.workers import worker_pool
 
 if TYPE_CHECKING:
     from zeroshard.format.manifest import Manifest
-    from zeroshard.toolkit.gather import FlatPieces
     from zeroshard.toolkit.plan import Plan
 
 WINDOW_BYTES = 64 * 1024 * 1024  # how much of one input fragment is mapped (and resident) at a time
@@ -58,7 +59,9 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
                 results.update(run_task(job, task, progress))
             return results
         with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
-            futures = [pool.submit(run_task, job, task) for task in tasks]
+            # processes re-plan their own outputs, side by side, rather than unpickle the pieces
+            threads = isinstance(pool, ThreadPoolExecutor)
+            futures = [pool.submit(run_task, job, task if threads else replace(task, plan=None)) for task in tasks]
             try:
                 for done, future in enumerate(futures):
                     results.update(future.result())
@@ -118,19 +121,18 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
         from zeroshard.toolkit import gather
         from zeroshard.toolkit.plan import plan_outputs
 
-        plan = plan_outputs(job.manifest, job.planner, plans, task.tensors)
+        plan = task.plan if task.plan is not None else plan_outputs(job.manifest, job.planner, plans, task.tensors)
         sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
         mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
         needed = _pieces_by_input(job.manifest, plan.take(~mapped))
-        pieces = _mapped_pieces(plan.take(mapped), job.manifest)
         big = sorted(needed)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
             for at in range(0, len(big), MAX_OPEN_INPUTS):
                 group = {rank: needed.pop(rank) for rank in big[at:at + MAX_OPEN_INPUTS]}
                 _copy_side_by_side(reader, group, outputs, progress, taken)
                 reader.close()
-            for rank, first, end in pieces.ranks():  # small local inputs, one at a time
-                gather.copy_from_input(reader, rank, pieces, first, end, outputs, progress)
+            for pieces, rank in gather.by_input(plan.take(mapped)):  # small local inputs, one at a time
+                gather.copy_from_input(reader, rank, pieces, outputs, progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
         if task.tensors is not None:
             return {}
@@ -162,19 +164,6 @@ def _pieces_by_input(manifest: Manifest, plan: Plan) -> dict[int, dict[str, list
         needed.setdefault(rank, {}).setdefault(plan.tensor_names[tensor], []).append(
             (src, index, dst, count, plan.casts[cast][1] if cast else dtypes[tensor]))
     return needed
-
-
-def _mapped_pieces(plan: Plan, manifest: Manifest) -> FlatPieces:
-    """A plan's pieces sorted by input rank, then tensor."""
-    import numpy as np
-
-    from zeroshard.toolkit import gather
-
-    order = np.lexsort((plan.tensor, plan.input))
-    size = np.array([t.itemsize for t in manifest.tensors.values()], dtype=np.int64)[plan.tensor[order]]
-    return gather.FlatPieces(plan.tensor_names, plan.input[order], plan.tensor[order],
-                             (plan.input_offset - plan.input_fragment)[order] // size, plan.output[order],
-                             plan.output_offset[order], plan.nbytes[order], size, plan.cast[order], plan.casts)
 
 
 def _copy_side_by_side(reader: CheckpointReader, inputs: dict[int, dict[str, list[Piece]]],

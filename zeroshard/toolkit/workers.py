@@ -28,10 +28,11 @@ BIG_FILE_BYTES = 64 * 1024 * 1024  # files this big on average: workers are thre
 
 
 def auto_workers(files: int, nbytes: int) -> int:
-    """--workers' default: every core (up to 8) for a job worth spreading, else this process alone
-    (starting a worker costs a few tenths of a second)."""
+    """--workers' default: every core (up to 8) for a job worth spreading, else this process alone.
+    Starting a worker costs a few tenths of a second, about what 1,000 small files cost here: a
+    reshard 1,024 -> 1,000 of 20 MB took 1.7 s alone and 2.6 s with 2 workers (2 cores)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, 8) if files >= 64 or nbytes >= 256 * 2**20 else 1
+    return min(cores, 8) if files >= 4096 or nbytes >= 256 * 2**20 else 1
 
 
 def worker_pool(workers: int, file_sizes: list[int]) -> Executor:
