@@ -128,7 +128,7 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
-                   "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+                   "of 4,096+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @click.option("--distributed/--single", "distributed", default=None,
               help="Share the work among the processes torchrun started (default: when launched by torchrun "
                    "with WORLD_SIZE > 1); inputs and OUT on a filesystem every process reaches. docs/SCALE.md.")
@@ -252,7 +252,7 @@ def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
                    "(default: every core, up to 8, for a job "
-                   "of 64+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
+                   "of 4,096+ files or 256+ MiB; else 1). Local outputs; see docs/SCALE.md.")
 @click.option("--allow-empty-ranks", is_flag=True,
               help="Write even when more than half the new ranks would hold no element of any tensor.")
 @click.option("--distributed/--single", "distributed", default=None,
