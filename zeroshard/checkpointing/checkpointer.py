@@ -83,11 +83,7 @@ class Checkpointer:
         for this call only. Raises CheckpointSaveError on every rank if any rank failed."""
         path = os.fspath(path)  # any os.PathLike
         self.wait()
-        engine = self.engine
-        objects = {**self.stateful, **name_stateful((), stateful or {})}
-        tag = tag or f"step-{engine.global_steps:08d}"
-        if not is_safe_file_name(tag):
-            raise ConfigError(f"checkpoint tag {tag!r} must be a plain folder name")
+        objects, tag = self._objects_and_tag(tag, stateful)
         if keep_last is not None and keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
         root = Location(path, storage_options)
@@ -100,6 +96,14 @@ class Checkpointer:
                                             args=(write_and_commit, job, self.group), name="zeroshard-save")
             self._thread.start()
         return root.url_of(job.tag)
+
+    def _objects_and_tag(self, tag: str | None, stateful: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
+        """The Stateful objects of this save and its tag (step-NNNNNNNN by default), checked."""
+        objects = {**self.stateful, **name_stateful((), stateful or {})}
+        tag = tag or f"step-{self.engine.global_steps:08d}"
+        if not is_safe_file_name(tag):
+            raise ConfigError(f"checkpoint tag {tag!r} must be a plain folder name")
+        return objects, tag
 
     def _prepare(self, root: Location, tag: str, objects: dict[str, Any], client_state: Any,
                  keep_last: int | None, async_save: bool) -> tuple[SaveJob, BackgroundSave | None]:
@@ -142,10 +146,7 @@ class Checkpointer:
         tiers = self._tiers()
         self.wait()
         engine = self.engine
-        objects = {**self.stateful, **name_stateful((), stateful or {})}
-        tag = tag or f"step-{engine.global_steps:08d}"
-        if not is_safe_file_name(tag):
-            raise ConfigError(f"checkpoint tag {tag!r} must be a plain folder name")
+        objects, tag = self._objects_and_tag(tag, stateful)
         job, background = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
         error = None
         try:
