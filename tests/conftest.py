@@ -54,3 +54,20 @@ def s3_client(s3_endpoint):
     import boto3
 
     return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+
+
+@pytest.fixture
+def bytes_read(monkeypatch) -> list[int]:
+    """Every storage read of interop/torch_zip.py (the bytes of tensors, not of zip directories or
+    pickles), in elements of uint8: the tests of streaming imports count them."""
+    from zeroshard.interop import torch_zip
+
+    read: list[int] = []
+    original = torch_zip.Source.read_into
+
+    def counting(self, tensor, offset):
+        read.append(tensor.numel())
+        original(self, tensor, offset)
+
+    monkeypatch.setattr(torch_zip.Source, "read_into", counting)
+    return read

@@ -77,6 +77,19 @@ def resave(path: Path, edit) -> None:
     torch.save(obj, path)
 
 
+def resave_nested(path: Path, put) -> None:
+    """resave, putting a list nested 3,000 deep into the object with `put(obj, nested)`."""
+    nested: list = []
+    for _ in range(3000):
+        nested = [nested]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
+    try:
+        resave(path, lambda obj: put(obj, nested))
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def save_dcp(folder: Path) -> Path:
     """A real DCP checkpoint in FSDP2's {"model", "optim"} layout, written by dcp.save itself."""
     import torch.distributed.checkpoint as dcp
@@ -360,15 +373,7 @@ def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp
 
 def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
     root = ds_copy(tmp_path)
-    nested: list = []
-    for _ in range(3000):
-        nested = [nested]
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
-    try:
-        resave(root / TAG / MODEL, lambda m: m.__setitem__("my_client_state", nested))
-    finally:
-        sys.setrecursionlimit(limit)
+    resave_nested(root / TAG / MODEL, lambda m, nested: m.__setitem__("my_client_state", nested))
     _refused_import(root, tmp_path, MODEL)
 
 
@@ -549,15 +554,7 @@ def test_deepspeed_universal_hostile_folders_are_one_line(tmp_path, case, needle
     elif case == "odd-file":
         shutil.copy(zero / "fc.bias" / "step.pt", zero / "fc.bias" / "x y.pt")
     elif case == "deep":
-        nested: list = []
-        for _ in range(3000):
-            nested = [nested]
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(20_000)  # for torch.save here; the import must cope with the default
-        try:
-            resave(zero / "optimizer_state.pt", lambda o: o["param_groups"][0].__setitem__("mine", nested))
-        finally:
-            sys.setrecursionlimit(limit)
+        resave_nested(zero / "optimizer_state.pt", lambda o, nested: o["param_groups"][0].__setitem__("mine", nested))
     elif case in ("world", "groups"):
         resave(zero / "optimizer_state.pt", lambda o: o.__setitem__("partition_count", [10**9]) if case == "world"
                else o["param_groups"].append(dict(o["param_groups"][0])))

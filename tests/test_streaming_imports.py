@@ -15,20 +15,6 @@ from zeroshard.interop import torch_zip
 from zeroshard.interop.imported import LazyTensor, materialize
 
 
-@pytest.fixture
-def bytes_read(monkeypatch) -> list[int]:
-    """Every storage read of torch_zip (the bytes of tensors, not of zip directories or pickles)."""
-    read: list[int] = []
-    original = torch_zip.Source.read_into
-
-    def counting(self, tensor, offset):
-        read.append(tensor.numel())
-        original(self, tensor, offset)
-
-    monkeypatch.setattr(torch_zip.Source, "read_into", counting)
-    return read
-
-
 def test_dcp_range_reads_only_its_bytes(tmp_path, bytes_read):
     import torch.distributed.checkpoint as dcp
 
