@@ -53,21 +53,13 @@ class Model(nn.Module):
         return self.head(self.blocks(self.embed(idx)))
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: "mp.Queue") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import zeroshard
 
-    before = _status("VmRSS")
+    before = benchlib.proc_status("VmRSS")
     torch.manual_seed(0)
     x = torch.randint(0, args.vocab, (1, 16))
     t0 = time.perf_counter()
@@ -88,7 +80,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: "mp.Q
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        done, peak_init = time.perf_counter(), _status("VmHWM")
+        done, peak_init = time.perf_counter(), benchlib.proc_status("VmHWM")
         model(x).float().logsumexp(-1).mean().backward()
         opt.step()
         master = sum(p.to_local().numel() * 4 for p in model.parameters())
@@ -101,15 +93,16 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: "mp.Q
         built = time.perf_counter()
         engine = zeroshard.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-4),
                                       {"zero_optimization": {"stage": 3}})
-        done, peak_init = time.perf_counter(), _status("VmHWM")
+        done, peak_init = time.perf_counter(), benchlib.proc_status("VmHWM")
         engine.backward(engine(x).float().logsumexp(-1).mean())
         engine.step()  # the first optimizer step allocates Adam's state
         master = sum(info.master.numel() * 4 for _, info in engine.named_shards())
     stepped = time.perf_counter()
     largest = 4 * max(args.dim * 4 * args.dim + 4 * args.dim, args.vocab * args.dim)  # embed/head or up/down
     total = args.vocab * args.dim * 2 + args.layers * (8 * args.dim * args.dim + 7 * args.dim)
-    out.put({"rank": rank, "mode": args.mode, "params": total, "rss_before": before, "peak": _status("VmHWM"),
-             "rss_after": _status("VmRSS"), "peak_init": peak_init, "master": master, "largest_unit": largest,
+    peak, rss_after = benchlib.proc_status("VmHWM"), benchlib.proc_status("VmRSS")
+    out.put({"rank": rank, "mode": args.mode, "params": total, "rss_before": before, "peak": peak,
+             "rss_after": rss_after, "peak_init": peak_init, "master": master, "largest_unit": largest,
              "bar": master * 3 + 2 * largest + 512 * MiB, "build_s": built - t0, "init_s": done - built,
              "step_s": stepped - done})
     torch.distributed.destroy_process_group()

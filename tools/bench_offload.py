@@ -37,6 +37,9 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402  (tools/, beside this script)
+
 MiB = 1 << 20
 
 
@@ -54,21 +57,13 @@ class Model(nn.Module):
         return self.norm(x)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, device: str, out: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import zeroshard
 
-    base = _status("VmRSS")
+    base = benchlib.proc_status("VmRSS")
     torch.manual_seed(0)
     with zeroshard.zero_init():
         model = Model(args.dim, args.layers)
@@ -89,7 +84,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, device: st
     report = engine.memory_report()
     tier_host = report.get("param_offload_host", 0) + report.get("param_offload_staging", 0)
     out.put({"rank": rank, "device": device, "params": sum(s.numel for s in engine.shards), "owned": owned,
-             "peak": _status("VmHWM") - base, "tier_host": tier_host,
+             "peak": benchlib.proc_status("VmHWM") - base, "tier_host": tier_host,
              "tier_disk": report.get("param_offload_nvme", 0), "step_s": step_s,
              "stats": dict(getattr(engine.param_tier, "stats", {}))})
     engine.param_tier.close()

@@ -160,6 +160,15 @@ def interleave(sides: dict[str, Callable[[], float | None]], repeats: int, warmu
     return out
 
 
+def proc_status(key: str) -> int:
+    """A byte count from /proc/self/status (e.g. VmHWM: this process's peak RSS); 0 where absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
