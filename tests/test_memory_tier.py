@@ -131,18 +131,24 @@ def test_at_a_new_world_size_each_node_gathers_every_old_file_and_keeps_no_stale
     assert fetch_plan(Choice(c, holders), [[0], [1]], [True, True], keeps) == plan
 
 
-def _fill(folder: Path, tag: str, nbytes: int, manifest: bool = True) -> None:
-    """A one-rank checkpoint of `nbytes` of U8 at step int(tag[-8:]), committed or torn."""
+JOB = "test-job"  # the job name every simulated job here runs under (TierPolicy.job)
+
+
+def _fill(folder: Path, tag: str, nbytes: int, manifest: bool = True, job: str | None = JOB) -> None:
+    """A one-rank memory checkpoint of `nbytes` of U8 at step int(tag[-8:]) saved by `job`,
+    committed or torn."""
     spec = TensorSpec("blob", "extra", "U8", (nbytes,), "local", owner=0)
     location = Location(str(folder / tag))
     result = write_rank_file(location, uuid.uuid4().hex, 0, 1, rank_contents([spec], 1, 0),
                              lambda s, a, b, write: write(memoryview(bytes(b - a))))
     if manifest:
-        commit_checkpoint(location, build_manifest([spec], 1, [result], uuid.uuid4().hex, step=int(tag[-8:]), tag=tag))
+        extra = {"memory_tier": {"job": job}} if job else {}
+        commit_checkpoint(location, build_manifest([spec], 1, [result], uuid.uuid4().hex, step=int(tag[-8:]), tag=tag,
+                                                   extra=extra))
 
 
 def test_a_save_over_the_cap_or_the_free_space_is_refused_before_anything_is_written(tmp_path):
-    folder = MemoryFolder(str(tmp_path), "nodeA")
+    folder = MemoryFolder(str(tmp_path), "nodeA", JOB)
     before = sorted(p.name for p in tmp_path.rglob("*"))
     with pytest.raises(CheckpointSaveError) as err:
         check_fits(folder, "step-00000002", 2, 10 << 20, cap=1 << 20, min_free_fraction=0.1)
@@ -159,7 +165,7 @@ def test_keep_last_counts_the_save_being_written_and_torn_folders_go_first(tmp_p
     for step in (2, 4, 6):
         _fill(node, f"step-{step:08d}", 1000)
     _fill(node, "step-00000008", 1000, manifest=False)  # torn by a kill
-    folder = MemoryFolder(str(tmp_path), "nodeA")
+    folder = MemoryFolder(str(tmp_path), "nodeA", JOB)
     doomed, kept = folder.doomed("step-00000010", keep_last=2)
     assert doomed == ["step-00000002", "step-00000004", "step-00000008"]
     assert [c.tag for c in kept] == ["step-00000006"]
@@ -197,7 +203,7 @@ def train(rank: int, world: int, steps: int, per_node: int, mem: str | None = No
     """`steps` steps from scratch; with `mem`, Checkpointer.checkpoint() after each (policy)."""
     _as_node(rank, per_node)
     engine = _engine()
-    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem, **(policy or {}))) if mem else None
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=mem, **(policy or {}))) if mem else None
     losses = {}
     for step in range(steps):
         losses[step] = _step(engine, step, rank)
@@ -212,7 +218,7 @@ def resume(rank: int, world: int, steps: int, per_node: int, mem: str, durable: 
     """A restarted job: load from the best tier, train on to `steps` (saving nothing)."""
     _as_node(rank, per_node)
     engine = _engine(seed=5)
-    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem))
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=mem))
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
@@ -254,7 +260,7 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
     assert saved == [{s: v for s, v in losses.items() if s < 6} for losses in reference]  # saving changes nothing
     a, b = mem / "nodeA", mem / "nodeB"
     for node in (a, b):  # keep-last 2; every rank's file on both nodes (own + one replica)
-        assert sorted(p.name for p in node.iterdir()) == ["latest", "step-00000004", "step-00000006"]
+        assert sorted(p.name for p in node.iterdir()) == ["job.json", "latest", "step-00000004", "step-00000006"]
         assert len(list((node / "step-00000006").glob("rank-*.safetensors"))) == 4
     assert _hashes(a) == _hashes(b)  # the same bytes, manifest included
     # the toolkit reads a node's folder unchanged; the drained durable copy holds the same files
@@ -264,7 +270,11 @@ def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tm
     _cli("consolidate", "-q", str(b), str(tmp_path / "full.safetensors"))
     _cli("verify", str(durable))
     assert (durable / "latest").read_text().strip() == "step-00000004"
-    assert _hashes(durable / "step-00000004") == _hashes(a / "step-00000004")
+    drained, memory = _hashes(durable / "step-00000004"), _hashes(a / "step-00000004")
+    manifest = json.loads((a / "step-00000004" / "zeroshard.json").read_text())
+    assert manifest["extra"].pop("memory_tier") == {"job": JOB}  # the memory copy's own: which job saved it
+    assert manifest == json.loads((durable / "step-00000004" / "zeroshard.json").read_text())
+    assert drained.pop("zeroshard.json") != memory.pop("zeroshard.json") and drained == memory  # rank files
     before = _hashes(durable)
     # a save torn by a kill (rank files, no manifest) on both nodes is never chosen
     for node in (a, b):
@@ -352,7 +362,8 @@ def test_without_drain_the_durable_save_comes_from_the_engine_on_its_own_steps(t
     run_ranks(train, 2, timeout=300, env=HOST_ENV, steps=4, per_node=1, mem=str(mem), durable=str(durable),
               policy=policy)
     assert sorted(p.name for p in durable.iterdir()) == ["latest", "step-00000003"]
-    assert sorted(p.name for p in (mem / "nodeB").iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    assert sorted(p.name for p in (mem / "nodeB").iterdir()) == ["job.json", "latest", "step-00000002",
+                                                                     "step-00000004"]
     _cli("verify", str(durable))
     results = run_ranks(resume, 2, timeout=300, env=HOST_ENV, steps=5, per_node=1, mem=str(mem), durable=str(durable))
     assert all(start == 4 and "memory tier: step-00000004" in line for start, _, line in results), results
@@ -362,7 +373,7 @@ def refused(rank: int, world: int, mem: str, cap: int) -> str:
     _as_node(rank, 1)
     engine = _engine()
     _step(engine, 0, rank)
-    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=mem, memory_cap_bytes=cap))
+    ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=mem, memory_cap_bytes=cap))
     try:
         ckpt.save_memory()
     except CheckpointSaveError as exc:
@@ -457,7 +468,7 @@ def _launch(tmp: Path, name: str, args: list[str]) -> tuple[Path, list[subproces
     agents = []
     for host in ("nodeA", "nodeB"):  # the first agent hosts the rendezvous store
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mem-{name}",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mem-job",
                "--max-restarts", "0", str(script), args[0], str(out), *args[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROSHARD_HOST_ID": host}
         agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

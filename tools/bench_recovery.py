@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench-recovery"
+JOB = "bench-recovery"  # TierPolicy.job: the memory tier belongs to one named job
 sys.path.insert(0, str(REPO))
 
 OPS = ["durable sync save", "memory save blocks", "memory commit R=1", "memory commit R=0", "steps",
@@ -129,8 +130,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
     n_params = sum(p.numel() for p in engine.module.parameters())
     shm, disk = Path(args.shm), Path(args.disk)
-    one = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=str(shm / "r1"), memory_keep_last=1))
-    none = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=str(shm / "r0"), memory_keep_last=1,
+    one = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=str(shm / "r1"), memory_keep_last=1))
+    none = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=str(shm / "r0"), memory_keep_last=1,
                                                            replicas=0))
     plain = zeroshard.Checkpointer(engine)
     times: dict[str, list[float]] = {op: [] for op in OPS}
@@ -310,8 +311,8 @@ def smaller(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from zeroshard.checkpointing import TierPolicy
 
     shm, disk = Path(args.shm), Path(args.disk)
-    survivor = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=str(shm / "r1")))
-    same = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=str(shm / "w1"), memory_keep_last=1))
+    survivor = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=str(shm / "r1")))
+    same = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=str(shm / "w1"), memory_keep_last=1))
     plain = zeroshard.Checkpointer(engine)
     same.save_memory(tag="t")
     same.wait()
@@ -349,7 +350,7 @@ def restart(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     shm, disk = Path(args.shm), Path(args.disk)
     if source == "memory":
-        ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(memory_dir=str(shm / "r1")))
+        ckpt = zeroshard.Checkpointer(engine, tiers=TierPolicy(job=JOB, memory_dir=str(shm / "r1")))
         ckpt.load(None)
         assert "memory tier" in ckpt.last_recovery, ckpt.last_recovery
     else:

@@ -41,6 +41,7 @@ from zeroshard.format import CheckpointReader
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.peers import host_name
 from zeroshard.storage import Location
+from zeroshard.storage.owner import job_run_id
 
 if TYPE_CHECKING:
     from zeroshard.engine import ZeroEngine
@@ -61,10 +62,13 @@ class Checkpointer:
         self.tiers = tiers
         self.last_recovery = ""  # the log line of the last load with tiers: which tier and step, and why
         if tiers is not None:  # the memory tier (tiers.py): this node's folder, and every rank's node
-            where = gather_all((host_name(), tiers.domain_name(host_name())), self.group,
+            where = gather_all((host_name(), tiers.domain_name(host_name()), tiers.job or job_run_id()), self.group,
                                action="setting up the memory tier")
-            self._hosts, self._domains = [str(h) for h, _ in where], [str(d) for _, d in where]
-            self.memory = MemoryFolder(tiers.root(), host_name())
+            self._hosts, self._domains = [str(h) for h, _, _ in where], [str(d) for _, d, _ in where]
+            if len({job for _, _, job in where}) > 1:  # checked together: every rank raises alike
+                raise ConfigError(f"the ranks name different jobs for the memory tier: "
+                                  f"{sorted({str(job) for _, _, job in where})}")
+            self.memory = MemoryFolder(tiers.root(), host_name(), tiers.job_name())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._eager, self._lazy = Snapshot(), Snapshot()  # async-save copies, reused from save to save
@@ -150,10 +154,12 @@ class Checkpointer:
         job, background = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
         error = None
         try:
+            self.memory.check_owner()  # one job per folder (memory_tier.py), before anything else
             need = node_bytes(job.contents.specs, engine.world_size, self._hosts, tiers.replicas, engine.rank,
                               self._domains)
             check_fits(self.memory, job.tag, tiers.memory_keep_last, need, tiers.memory_cap_bytes,
                        tiers.min_free_fraction)
+            self.memory.claim()  # the first write: only once the save is known to fit
         except Exception as exc:
             error = exc
         agree_on_save(error, self.group, None)
@@ -263,8 +269,9 @@ class Checkpointer:
     def __del__(self) -> None:
         # A running save's thread holds this object, so here the save has ended; an error
         # nobody collected with wait() is still reported, never dropped.
-        if self._error is not None:
-            print(f"zeroshard: background checkpoint save failed: {self._error}", file=sys.stderr)
+        error = getattr(self, "_error", None)  # absent when __init__ raised
+        if error is not None:
+            print(f"zeroshard: background checkpoint save failed: {error}", file=sys.stderr)
 
 
 _LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()

@@ -13,11 +13,20 @@ background thread after the copy-on-write snapshot):
   3. the replicas travel (replicas.py) and are checked against the writer's file hash; agreed;
   4. each node's lead writes the manifest (the same bytes on every node) and moves `latest`.
 A save that would not fit is refused by `check_fits` before step 1, on the training thread.
+
+[Note: one job per folder] Two jobs on one node with the same memory_dir would otherwise share a
+folder: tags collide (both save step-00000010), one job's pruning deletes the other's checkpoints
+and its recovery may load them. So a node's folder belongs to one job: the first save claims it
+(`OWNER_NAME`, created exclusively, holding the job's name), a save by another job is refused
+before anything is written, and recovery skips a folder or manifest of another job with a reason.
+Every memory manifest also records its job (`extra["memory_tier"]["job"]`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,6 +44,15 @@ from zeroshard.storage.hashing import hash_bytes, new_hasher
 from zeroshard.storage.safetensors_header import build_header
 
 HASH_CHUNK = 16 << 20
+OWNER_NAME = "job.json"  # in a node's folder: the job it belongs to (see [Note: one job per folder])
+OWNER_MAX_BYTES = 4096
+
+
+def job_of(manifest: Manifest) -> str | None:
+    """The job a memory manifest was written by; None when it records none."""
+    tier = (manifest.extra or {}).get("memory_tier")
+    job = tier.get("job") if isinstance(tier, dict) else None
+    return job if isinstance(job, str) else None
 
 
 @dataclass
@@ -49,12 +67,53 @@ class Committed:
 class MemoryFolder:
     """One node's folder of the memory tier."""
 
-    def __init__(self, root: str, node: str) -> None:
+    def __init__(self, root: str, node: str, job: str) -> None:
         if not is_safe_file_name(node):
             raise CheckpointSaveError(f"{root}: node name {node!r} cannot name a folder (set ZEROSHARD_HOST_ID)")
         self.path = os.path.join(root, node)
         self.location = Location(self.path)
+        self.job = job
         self._parsed: dict[tuple, Manifest] = {}
+
+    def owner(self) -> str | None:
+        """The job this folder belongs to; None when no job has claimed it yet. A folder whose
+        owner file cannot be read as a job's name is reported as owned by '<unreadable ...>', so
+        it is never taken for this job's."""
+        for _ in range(20):
+            if not self.location.exists(OWNER_NAME):
+                return None
+            try:
+                data = self.location.read_bytes(OWNER_NAME, 0, OWNER_MAX_BYTES + 1)
+            except StorageError:
+                return None  # removed meanwhile
+            if data:
+                break
+            time.sleep(0.05)  # created, its bytes not written yet (create_exclusive): a claim in flight
+        try:
+            job = json.loads(data)["job"] if len(data) <= OWNER_MAX_BYTES else None
+        except (ValueError, TypeError, KeyError):
+            job = None
+        return job if isinstance(job, str) else f"<unreadable {self.location.url_of(OWNER_NAME)}>"
+
+    def foreign_owner(self) -> str | None:
+        """The other job this folder belongs to; None when it is this job's or nobody's."""
+        owner = self.owner()
+        return owner if owner not in (None, self.job) else None
+
+    def claim(self) -> None:
+        """Make this folder this job's, or refuse (CheckpointSaveError, one line) when another
+        job's: see [Note: one job per folder]. Safe to call from every rank of a node at once."""
+        self.location.create_exclusive(OWNER_NAME, json.dumps({"job": self.job}).encode())
+        self.check_owner()  # created here, or by this job or another job before
+
+    def check_owner(self) -> None:
+        """Refuse (CheckpointSaveError, one line) a folder that belongs to another job."""
+        other = self.foreign_owner()
+        if other is not None:
+            raise CheckpointSaveError(
+                f"{self.path}: memory folder belongs to job {other!r}, not to this job {self.job!r}; nothing "
+                f"written. Give each job its own TierPolicy.memory_dir, keep the job's name across relaunches "
+                f"(TierPolicy.job or torchrun --rdzv-id), or remove the folder once job {other!r} is over")
 
     def tag_folder(self, tag: str) -> Location:
         return self.location.child(tag)
@@ -91,8 +150,15 @@ class MemoryFolder:
         return self._parsed[key]
 
     def doomed(self, tag: str, keep_last: int) -> tuple[list[str], list[Committed]]:
-        """(folders a save of `tag` removes first, committed checkpoints it keeps)."""
+        """(folders a save of `tag` removes first, committed checkpoints it keeps). Torn folders
+        are this job's (the folder is: `claim`); a committed checkpoint of another job is never
+        removed or counted."""
         committed, torn, _ = self.scan()
+        theirs = next((c for c in committed if c.tag == tag and job_of(c.manifest) != self.job), None)
+        if theirs is not None:
+            raise CheckpointSaveError(f"{self.path}/{tag}: a memory checkpoint of job {job_of(theirs.manifest)!r} is "
+                                      f"there, not one of this job {self.job!r}; nothing written")
+        committed = [c for c in committed if job_of(c.manifest) == self.job]
         others = [c for c in committed if c.tag != tag]
         keep = others[len(others) - (keep_last - 1):] if keep_last > 1 else []
         kept = {c.tag for c in keep}
@@ -233,7 +299,7 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
     landing = Landing(target.path)
     error = run_transfers(plan, job.rank, read, received, group, landing.allocate)
     agree_on_save(error, group, None)
-    fields["extra"] = {**fields.get("extra", {}), **extra}
+    fields["extra"] = {**fields.get("extra", {}), **extra, "memory_tier": {"job": folder.job}}
     manifest = build_manifest(specs, job.world_size, results, job.checkpoint_id, tag=job.tag,
                               client_state=client_state, **fields)
     error = None

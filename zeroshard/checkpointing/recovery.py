@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from zeroshard.agree import agree
-from zeroshard.checkpointing.memory_tier import MemoryFolder
+from zeroshard.checkpointing.memory_tier import MemoryFolder, job_of
 from zeroshard.checkpointing.replicas import Landing, lead_of, map_file, node_map, replica_targets, run_transfers
 from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
@@ -68,12 +68,19 @@ class Choice:
 
 
 def candidates_of(folder: MemoryFolder) -> tuple[list[Candidate], list[str]]:
-    """This node's committed memory checkpoints, and notes on torn or unreadable ones."""
+    """This node's committed memory checkpoints of this job, and notes on the others: torn,
+    unreadable, or another job's (see [Note: one job per folder] in memory_tier.py)."""
     committed, torn, problems = folder.scan()
-    out = [Candidate(c.manifest.id, c.tag, c.manifest.step or 0, c.manifest.world_size,
-                     tuple((f.rank, f.name, f.size, f.hash) for f in c.manifest.files),
-                     any(t.role == "buffer" for t in c.manifest.tensors.values())) for c in committed]
-    return out, [f"{t} torn (no manifest)" for t in torn] + problems
+    out, notes = [], [f"{t} torn (no manifest)" for t in torn] + problems
+    for c in committed:
+        job = job_of(c.manifest)
+        if job != folder.job:
+            notes.append(f"{c.tag} " + (f"is job {job!r}'s" if job else "records no job"))
+            continue
+        out.append(Candidate(c.manifest.id, c.tag, c.manifest.step or 0, c.manifest.world_size,
+                             tuple((f.rank, f.name, f.size, f.hash) for f in c.manifest.files),
+                             any(t.role == "buffer" for t in c.manifest.tensors.values())))
+    return out, notes
 
 
 def choose(found: list[list[Candidate]], held: list[dict[str, list[int]]], world_size: int,
@@ -134,19 +141,25 @@ def recover(rank: int, world_size: int, group: Any, folder: MemoryFolder, hosts:
     nodes = node_map(hosts)
     error = None
     mine: tuple[list[Candidate], list[str]] = ([], [])
-    durable_step = None
+    durable_step = foreign = None
     try:
         if lead:
-            mine = candidates_of(folder)
+            owner = folder.foreign_owner()
+            foreign = None if owner is None else f"{folder.path} belongs to job {owner!r}"
+            mine = candidates_of(folder) if owner is None else mine
         if rank == 0 and durable is not None:
             durable_step = _durable_step(durable, storage_options)
     except Exception as exc:
         error = exc
-    everyone = agree(error, group, action=ACTION, payload=(mine, durable_step))
+    everyone = agree(error, group, action=ACTION, payload=(mine, durable_step, foreign))
     leads = [ranks[0] for ranks in nodes]
     found = [everyone[r][0][0] for r in leads]
     notes = [f"{hosts[r]}: {note}" for r in leads for note in everyone[r][0][1]]
     durable_step = everyone[0][1]
+    # a node whose folder is another job's cannot take part: nothing is read from it or written to it
+    taken = [f"{hosts[r]}: {everyone[r][2]}, not this job {folder.job!r}" for r in leads if everyone[r][2]]
+    if taken:
+        found, notes = [[] for _ in leads], taken + notes
     wanted = {c.id: c for node in found for c in node}
     try:
         held = {cid: folder.verified_ranks(c.tag, c.files) for cid, c in wanted.items()} if lead else {}
@@ -192,6 +205,8 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
     target = folder.tag_folder(c.tag)
     error = None
     try:
+        if any(dst == rank for _, _, _, dst in plan + rest):
+            folder.claim()  # files land only in a folder of this job's
         if any(dst == rank for _, _, _, dst in plan):
             if target.exists(MANIFEST_NAME) and not have_manifest[[n[0] for n in nodes].index(rank)]:
                 target.remove(MANIFEST_NAME)  # another save's manifest: un-commit before its files change

@@ -17,10 +17,12 @@ get it. See docs/RECOVERY.md.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
 from zeroshard.errors import ConfigError
+from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.storage.owner import job_run_id
 
 DEFAULT_MEMORY_PARENT = "/dev/shm"
@@ -31,8 +33,12 @@ DOMAIN_ENV = "ZEROSHARD_DOMAIN"  # a node's failure domain (rack), set per node 
 class TierPolicy:
     """Where and how often checkpoints go.
 
+    job: the job the memory tier belongs to, the same in every incarnation of it (a relaunch after
+      a lost node recovers only what its own job saved). None: torchrun's run id (`--rdzv-id`);
+      without either the memory tier is refused, since jobs could not be told apart.
     memory_dir: the memory tier's root on tmpfs; each node keeps its folder `<memory_dir>/<node>`
-      (node: ZEROSHARD_HOST_ID or the host name). Default /dev/shm/zeroshard-<torchrun run id>.
+      (node: ZEROSHARD_HOST_ID or the host name). Default /dev/shm/zeroshard-<job>. A node's
+      folder belongs to the first job that saves into it (memory_tier.MemoryFolder.claim).
     memory_every / durable_every: `Checkpointer.checkpoint()` saves to memory when the step is a
       multiple of memory_every, to the durable root when a multiple of durable_every (0: never).
     drain: a durable checkpoint is copied from the memory checkpoint of the same step in the
@@ -47,6 +53,7 @@ class TierPolicy:
       copies go to nodes of other domains first. None: ZEROSHARD_DOMAIN, else the node itself.
     """
 
+    job: str | None = None
     memory_dir: str | None = None
     memory_every: int = 10
     durable_every: int = 100
@@ -75,18 +82,37 @@ class TierPolicy:
             raise ConfigError("TierPolicy.min_free_fraction must be in [0, 1)")
         if self.memory_dir is not None and "://" in str(self.memory_dir):
             raise ConfigError(f"TierPolicy.memory_dir {self.memory_dir!r} must be a local folder (tmpfs), not a URL")
+        if self.job is not None and (not isinstance(self.job, str) or not self.job.strip()):
+            raise ConfigError(f"TierPolicy.job must be a non-empty name, not {self.job!r}")
 
     def domain_name(self, node: str) -> str:
         """This node's failure domain (`node`: its name, the default when no domain is set)."""
         return self.domain or os.environ.get(DOMAIN_ENV) or node
 
+    def job_name(self) -> str:
+        """The job this process's memory tier belongs to: `job`, else torchrun's run id. Refused
+        (ConfigError) without either: two jobs on one node would share a folder, and one job's
+        recovery or pruning could take or delete the other's checkpoints."""
+        name = self.job or job_run_id()
+        if name is None:
+            raise ConfigError("the memory tier needs to know which job it belongs to: launch with torchrun "
+                              "--rdzv-id <id> (the same id when the job is relaunched) or set TierPolicy(job=...)")
+        return name
+
     def root(self) -> str:
         """The memory tier's root (not yet the node's folder)."""
         if self.memory_dir is not None:
             return os.fspath(self.memory_dir)
-        return os.path.join(DEFAULT_MEMORY_PARENT, f"zeroshard-{job_run_id() or 'job'}")
+        return os.path.join(DEFAULT_MEMORY_PARENT, f"zeroshard-{job_folder_name(self.job_name())}")
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(memory, durable): which tiers a checkpoint at `step` goes to."""
         durable = self.durable_every > 0 and step % self.durable_every == 0
         return step % self.memory_every == 0 or (durable and self.drain), durable
+
+
+def job_folder_name(job: str) -> str:
+    """`job` as a folder name: itself when it is a plain short name, else a digest of it."""
+    if is_safe_file_name(job) and len(job) <= 100:
+        return job
+    return "job-" + hashlib.sha256(job.encode()).hexdigest()[:16]
