@@ -105,8 +105,9 @@ def save_dcp(folder: Path) -> Path:
 
 
 def edit_metadata(folder: Path, edit) -> None:
-    """Rewrite `.metadata` with `edit(metadata)` applied (a plain pickle, as DCP writes it)."""
-    metadata = load_metadata(str(folder / ".metadata"))
+    """Rewrite `.metadata` with `edit(metadata)` applied (a plain pickle, as DCP writes it; this
+    test wrote it, so plain pickle.loads gives back DCP's own classes to edit)."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
     edit(metadata)
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
@@ -591,6 +592,30 @@ def _chunks(metadata, key: str, boxes: list[tuple[tuple, tuple]]) -> None:
     entry.chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes]
     for i, (o, _) in enumerate(boxes):
         metadata.storage_data[MetadataIndex(key, torch.Size(o), i)] = info
+
+
+def test_dcp_metadata_is_read_without_dcp_code_its_fields_as_dcp_wrote_them(tmp_path):
+    """The metadata's classes are stand-ins: reading it imports and runs nothing of
+    torch.distributed.checkpoint, and every field comes back (against DCP's own reader)."""
+    src = save_dcp(tmp_path / "dcp")
+    code = ("import sys; from zeroshard.interop.dcp_metadata import load_metadata; "
+            f"m = load_metadata({str(src / '.metadata')!r}); "
+            "print(sorted(k for k in sys.modules if k.startswith('torch.distributed.checkpoint')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    ours, theirs = load_metadata(str(src / ".metadata")), pickle.loads((src / ".metadata").read_bytes())
+    assert sorted(ours.state_dict_metadata) == sorted(theirs.state_dict_metadata)
+    for key, entry in theirs.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[key]
+        assert type(mine).__name__ == type(entry).__name__
+        if hasattr(entry, "size"):
+            assert (mine.size, mine.properties.dtype) == (entry.size, entry.properties.dtype)
+            assert [(c.offsets, c.sizes) for c in mine.chunks] == [(c.offsets, c.sizes) for c in entry.chunks]
+    assert {(k.fqn, k.offset): (v.relative_path, v.offset, v.length, v.transform_descriptors)
+            for k, v in ours.storage_data.items()} == \
+        {(k.fqn, k.offset): (v.relative_path, v.offset, v.length, v.transform_descriptors)
+         for k, v in theirs.storage_data.items()}
+    assert ours.planner_data == theirs.planner_data
 
 
 @pytest.mark.parametrize("boxes, needle", [

@@ -10,19 +10,20 @@ tensor) into --dir: `--tensors` fp32 tensors adding up to --gib. deepspeed: a 2-
 checkpoint in the layout of tests/data/deepspeed/stage3 (DeepSpeed 0.19.8's engine save),
 written with torch.save by make_deepspeed below: `--tensors` fp32 parameters, each rank's file
 holding its padded ceil(n/2) slice of every parameter (fp32 master, exp_avg, exp_avg_sq) in
-sub-groups of 8 parameters; the files add up to --gib. Then, interleaved, each repeat runs:
-`cp -r SRC DST && sync` (the floor: the bytes read and written once, made durable), the import
-to `--world 2` as shipped (streaming), and the same import with every tensor read whole first
-(`LAZY_BYTES` raised: how imports worked before). Each is a fresh process; its peak RSS is
-wait4's ru_maxrss. Reported: medians with min-max of wall time, of the paired ratio against cp,
-and of peak RSS, and the load average around the runs. Scope: CPU, local disk, warm page cache
-(the source is read right after being written and between repeats).
+sub-groups of 8 parameters; the files add up to --gib. Then, interleaved
+(tools/benchlib.py: --warmup repeats dropped, the order rotated from repeat to repeat), each
+repeat runs: `cp -r SRC DST && sync` (the floor: the bytes read and written once, made
+durable), the import to `--world 2` as shipped (streaming), and the same import with every
+tensor read whole first (`LAZY_BYTES` raised: how imports worked before). Each is a fresh
+process; its peak RSS is wait4's ru_maxrss. Reported: medians and IQR of wall time and of the
+paired ratios against cp, the median peak RSS (target <= 512 MiB), machine and load average, in
+tools/results/bench_import_SOURCE.json. Scope: CPU, local disk, warm page cache (the source is
+read right after being written and between repeats).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -34,6 +35,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import benchlib  # noqa: E402
+
 MiB = 1 << 20
 WHOLE = 1 << 60  # LAZY_BYTES for "read every tensor whole"
 
@@ -148,8 +152,9 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="interleaved repeats run first and not counted")
     parser.add_argument("--dir", default="/tmp/zeroshard-bench-import")
-    parser.add_argument("--json", default=None, help="write the raw measurements here")
+    parser.add_argument("--json", default=None, help="result file (default tools/results/bench_import_SOURCE.json)")
     parser.add_argument("--before", default=None, help="a checkout of an older zeroshard: its import is timed too "
                         "(e.g. `git archive COMMIT | tar -x -C DIR`)")
     args = parser.parse_args()
@@ -160,36 +165,52 @@ def main() -> None:
     src = work / args.source
     if args.source == "dcp":
         size = make_dcp(src, args.gib, args.tensors)
-        print(f"source: {size / (1 << 30):.2f} GiB in {args.tensors} tensors of "
-              f"{size / args.tensors / MiB:.0f} MiB (real dcp.save, model-only)")
+        described = (f"DCP source {size / (1 << 30):.2f} GiB in {args.tensors} tensors of "
+                     f"{size / args.tensors / MiB:.0f} MiB (real dcp.save, model-only)")
     else:
         size = _make_deepspeed_child(src, args.gib, args.tensors)
-        print(f"source: {size / (1 << 30):.2f} GiB, DeepSpeed ZeRO-3, 2 ranks, {args.tensors} fp32 parameters "
-              f"of {size / 3 / args.tensors / MiB:.0f} MiB (+ exp_avg, exp_avg_sq)")
-    runs: dict[str, list[tuple[float, int]]] = {"cp": [], "streaming": [], "whole": []}
+        described = (f"DeepSpeed ZeRO-3 source {size / (1 << 30):.2f} GiB, 2 ranks, {args.tensors} fp32 "
+                     f"parameters of {size / 3 / args.tensors / MiB:.0f} MiB (+ exp_avg, exp_avg_sq)")
+    commands: dict[str, tuple[Any, bool, Path]] = {
+        "cp": (f"cp -r {src} {work / 'out-cp'} && sync", True, ROOT),
+        "streaming": (import_cmd(args.source, src, work / "out-streaming", None), False, ROOT),
+        "whole": (import_cmd(args.source, src, work / "out-whole", WHOLE), False, ROOT)}
     if args.before:
-        runs["before"] = []
-    loads = [os.getloadavg()[0]]
-    for _ in range(args.repeats):  # interleaved: cp, streaming, whole, cp, ...
-        shutil.rmtree(work / "copy", ignore_errors=True)
-        runs["cp"].append(timed(f"cp -r {src} {work / 'copy'} && sync", shell=True))
-        runs["streaming"].append(timed(import_cmd(args.source, src, work / "out-streaming", None)))
-        runs["whole"].append(timed(import_cmd(args.source, src, work / "out-whole", WHOLE)))
-        if args.before:
-            runs["before"].append(timed(import_cmd(args.source, src, work / "out-before", None),
-                                        root=Path(args.before).resolve()))
-        loads.append(os.getloadavg()[0])
-    print(f"{'':10} {'wall s, median (min-max)':>26} {'x cp, paired':>22} {'peak RSS MiB':>24}")
-    for name, values in runs.items():
-        walls = [w for w, _ in values]
-        ratios = [w / c for (w, _), (c, _) in zip(values, runs["cp"])]
-        print(f"{name:10} {spread(walls):>26} {spread(ratios):>22} {spread([r / MiB for _, r in values]):>24}")
-    print(f"load average (1 min) before and after each repeat: {', '.join(f'{x:.1f}' for x in loads)} "
-          f"on {os.cpu_count()} CPUs")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"source": args.source, "source_bytes": size, "tensors": args.tensors,
-                                               "runs": runs, "machine": os.uname().nodename,
-                                               "cpus": os.cpu_count(), "loadavg": loads}, indent=1))
+        commands["before"] = (import_cmd(args.source, src, work / "out-before", None), False,
+                              Path(args.before).resolve())
+    rss: dict[str, list[int]] = {name: [] for name in commands}
+
+    def side(name: str) -> Callable[[], float]:
+        def run() -> float:
+            cmd, shell, root = commands[name]
+            wall, peak = timed(cmd, shell=shell, root=root)
+            rss[name].append(peak)
+            return wall
+        return run
+
+    def clean(name: str) -> None:
+        shutil.rmtree(work / f"out-{name}", ignore_errors=True)
+        subprocess.run("sync", shell=True)
+
+    rep = benchlib.Report("bench_import", vars(args), scope=(
+        f"CPU, {benchlib.machine()['cores']} vCPUs, {described}, imported to 2 ranks, local disk, warm page "
+        f"cache; each run a fresh process, peak RSS by wait4"))
+    runs = benchlib.interleave({name: side(name) for name in commands}, args.repeats, warmup=args.warmup,
+                               before_each=clean)
+    labels = {"cp": "cp -r + sync (the floor)", "streaming": f"zeroshard import {args.source} (streaming, shipped)",
+              "whole": "the same import, every tensor read whole first", "before": f"zeroshard at {args.before}"}
+    for name in commands:
+        rep.runs(name, runs[name], labels[name])
+    for name in commands:
+        if name != "cp":
+            rep.ratio(f"{name}_vs_cp", name, "cp", f"{labels[name]} / cp time")
+    if "before" in commands:
+        rep.ratio("streaming_vs_before", "streaming", "before", f"shipped / {labels['before']} time")
+    for name in commands:
+        rep.value(f"{name}_rss_MiB", statistics.median(rss[name]) / MiB, "MiB", f"{labels[name]}: peak RSS (median)",
+                  "<= 512" if name == "streaming" else None)
+    path = rep.finish(args.json or benchlib.RESULTS / f"bench_import_{args.source}.json")
+    print("\n" + rep.table() + f"\n\nraw JSON: {path}")
     shutil.rmtree(work, ignore_errors=True)
 
 
