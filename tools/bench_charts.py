@@ -47,11 +47,21 @@ def update_doc(doc: Path, results: Path) -> int:
     return filled
 
 
+def harness_results(results: Path) -> list[tuple[Path, dict]]:
+    """The result files tools/benchlib.py wrote (others, such as bench_recovery's raw timings, have
+    no paired ratios to draw)."""
+    found = []
+    for path in sorted(results.glob("bench_*.json")):
+        data = json.loads(path.read_text())
+        if data.get("schema") == benchlib.SCHEMA:
+            found.append((path, data))
+    return found
+
+
 def targets(results: Path) -> str:
     """One row per figure that has a target, over every result file."""
     rows = ["| bench | figure | median | IQR | target | result |", "|---|---|---:|---:|---|---|"]
-    for path in sorted(results.glob("bench_*.json")):
-        data = json.loads(path.read_text())
+    for path, data in harness_results(results):
         for r in data["ratios"].values():
             if r.get("target"):
                 f = (lambda x: f"{x:.1%}") if r.get("percent") else benchlib.fmt_ratio
@@ -115,8 +125,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("bench_charts: matplotlib is not installed (pip install 'zeroshard[plot]')", file=sys.stderr)
         return 1
-    for path in sorted(Path(args.results).glob("bench_*.json")):
-        data = json.loads(path.read_text())
+    for path, data in harness_results(Path(args.results)):
         out = Path(args.out) / f"{path.stem}.png"
         if chart(data, out):
             print(f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
