@@ -131,6 +131,20 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path):
     assert not side.exists()
 
 
+def test_metadata_state_naming_a_dunder_is_refused(tmp_path):
+    """DCP's classes are read as stand-ins (dcp_metadata._Record); a state that would plant
+    `__setstate__` on one, so a second BUILD calls what the pickle chose, is refused."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    planted = Metadata(state_dict_metadata={})
+    planted.__dict__["__setstate__"] = "x"  # pickled with the fields: NEWOBJ Metadata, BUILD {...}
+    folder = tmp_path / "planted"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(planted))
+    with pytest.raises(CheckpointError, match="refused to unpickle: Metadata: '__setstate__' is not a field name"):
+        read_dcp(str(folder))
+
+
 def test_hostile_chunk_bytes_are_refused_and_never_run(tmp_path):
     """The metadata is fine (a one-element model tensor) but its chunk's bytes are a pickle that
     would call os.system."""

@@ -8,7 +8,7 @@ helpers and pathlib paths. Everything else is refused before it is called.
 DCP's dataclasses are not imported: each is resolved to a stand-in of the same name (`_Record`)
 that only takes the pickled fields as attributes, with DCP's defaults. So no DCP code runs
 while unpickling, and an import does not pay for `torch.distributed.checkpoint` (its package
-imports DTensor and the planners: about 1 s here, a fifth of a small import's time).
+imports DTensor and the planners: a 0.1 GiB DCP import took 6.3 s with it, 3.8 s without, here).
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class _Record:
         for part in parts:
             if part is None:
                 continue
-            if not isinstance(part, dict) or not all(isinstance(k, str) for k in part):
+            if not isinstance(part, dict):
                 raise pickle.UnpicklingError(f"{type(self).__name__}: unexpected state {type(part).__name__}")
+            for key in part:  # field names only: a dunder (`__setstate__`) would shadow the stand-in's methods
+                if not isinstance(key, str) or key.startswith("__"):
+                    raise pickle.UnpicklingError(f"{type(self).__name__}: {str(key)[:40]!r} is not a field name")
             self.__dict__.update(part)
 
     def __repr__(self) -> str:
