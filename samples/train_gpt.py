@@ -13,6 +13,13 @@ world size or --grad-accum, so a resumed run sees the same stream of batches.
 With --ckpt DIR the script writes DIR/model_config.json (model config + vocabulary, for
 samples/generate.py) and calls engine.save_checkpoint(DIR, client_state=...) every
 --save-every steps and at the end. Run without torchrun for a single process.
+
+With --memory-every N it checkpoints through the memory tier instead (docs/RECOVERY.md): a
+checkpoint in each node's /dev/shm every N steps with a copy on another node, drained to DIR
+every --save-every steps, and --resume takes the newest complete copy, memory first:
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 samples/train_gpt.py --ckpt runs/gpt \
+        --memory-every 5 --save-every 50 --steps 200 [--resume]
 """
 
 from __future__ import annotations
@@ -53,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--ckpt", type=str, default=None, help="checkpoint directory")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="with --ckpt: a memory-tier checkpoint every N steps (docs/RECOVERY.md), drained "
+                        "to --ckpt every --save-every steps; 0: no memory tier")
+    p.add_argument("--memory-dir", default=None,
+                   help="the memory tier's root (default /dev/shm/zeroshard-<job>; the job is --ckpt's path)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
                    help="continue from the latest checkpoint in --ckpt, or from PATH (a checkpoint "
                         "root or one tagged checkpoint folder, e.g. DIR/step-00000100)")
@@ -65,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume is True and not args.ckpt:
         p.error("--resume without PATH needs --ckpt DIR")
+    if args.memory_every and not args.ckpt:
+        p.error("--memory-every needs --ckpt DIR (the durable root it drains to)")
     return args
 
 
@@ -143,6 +157,11 @@ def main(argv=None) -> int:
     sampler = BatchSampler(train_ids, args.batch, args.block_size, seed=args.seed,
                            world_size=world, rank=rank, grad_accum=args.grad_accum)
 
+    ckpt = None  # with --memory-every: a Checkpointer with the memory tier
+    if args.memory_every:  # the job is named by its durable root, so a relaunch finds its memory copies
+        ckpt = zeroshard.Checkpointer(engine, tiers=zeroshard.TierPolicy(
+            job=str(ckpt_dir.resolve()), memory_dir=args.memory_dir, memory_every=args.memory_every,
+            durable_every=args.save_every))
     can_save = hasattr(engine, "save_checkpoint")
     can_load = hasattr(engine, "load_checkpoint")
     if ckpt_dir is not None and not can_save:
@@ -154,12 +173,18 @@ def main(argv=None) -> int:
         if not can_load:
             raise SystemExit("--resume: this zeroshard engine has no load_checkpoint() yet")
         has_files = source.is_dir() and any(p.name != MODEL_CONFIG_FILE for p in source.iterdir())
+        if ckpt is not None:  # a memory copy may be all there is
+            has_files = has_files or Path(ckpt.memory.path).is_dir()
         if not has_files and args.resume is not True:
             raise SystemExit(f"--resume {source}: no checkpoint there")
         if not has_files:
             log(f"--resume: no checkpoint in {source} yet, starting from step 0")
         else:
-            client_state = engine.load_checkpoint(str(source))
+            if ckpt is not None:
+                client_state = ckpt.load(str(source))
+                log(ckpt.last_recovery)
+            else:
+                client_state = engine.load_checkpoint(str(source))
             if isinstance(client_state, tuple):  # DeepSpeed-style (path, client_state)
                 client_state = client_state[-1]
             if not client_state or "data" not in client_state:
@@ -171,13 +196,19 @@ def main(argv=None) -> int:
             log(f"resumed from {source} at step {sampler.step} "
                 f"(saved at world size {client_state.get('world_size', '?')}, now {world})")
 
+    def state_to_save() -> dict:
+        return {"data": sampler.state_dict(), "model": cfg.to_dict(), "vocab": tok.to_json(),
+                "world_size": world, "args": vars(args)}
+
     def save() -> None:
         if ckpt_dir is None or not can_save:
             return
-        client_state = {"data": sampler.state_dict(), "model": cfg.to_dict(), "vocab": tok.to_json(),
-                        "world_size": world, "args": vars(args)}
         t = time.perf_counter()
-        engine.save_checkpoint(str(ckpt_dir), client_state=client_state)
+        if ckpt is not None:  # the last one: durable, now
+            ckpt.wait()
+            ckpt.save(str(ckpt_dir), client_state=state_to_save())
+        else:
+            engine.save_checkpoint(str(ckpt_dir), client_state=state_to_save())
         log(f"saved checkpoint at step {sampler.step} to {ckpt_dir} ({time.perf_counter() - t:.2f}s)")
 
     start_step = sampler.step
@@ -218,7 +249,9 @@ def main(argv=None) -> int:
             log(f"step {step:5d} | loss {last_loss:.4f} | {window_steps * tokens_per_step / elapsed:8.0f} tok/s | "
                 f"{format_memory(reports)}")
             window_t0, window_steps, window_loss = time.perf_counter(), 0, torch.zeros(())
-        if args.save_every and step % args.save_every == 0 and step < args.steps:
+        if ckpt is not None and step < args.steps:  # does what is due at this step, in the background
+            ckpt.checkpoint(str(ckpt_dir), client_state=state_to_save())
+        elif args.save_every and step % args.save_every == 0 and step < args.steps:
             save()
     train_s = time.perf_counter() - t_train0
 

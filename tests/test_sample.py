@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +267,43 @@ def test_train_gpt_stage3_checkpoint_export_and_resume_at_world_size_1(tmp_path)
     assert "resumed from" in resumed and "at step 20 (saved at world size 2, now 1)" in resumed, resumed
     val, val_resumed = float(VAL_LINE.search(out)[1]), float(VAL_LINE.search(resumed)[1])
     assert abs(val - val_resumed) < 1e-3, (val, val_resumed)
+
+
+def _kill_processes_naming(marker: str, proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s process group and every process whose command line holds `marker`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.timeout(400)
+def test_train_gpt_killed_mid_run_resumes_from_the_memory_tier(tmp_path):
+    """--memory-every: a 2-rank run SIGKILLed mid-training resumes from its memory copies (never
+    older than the durable root's newest), and ends with the uninterrupted run's validation loss."""
+    script = str(REPO / "samples" / "train_gpt.py")
+    small = [*SMALL, "--log-every", "1", "--memory-every", "2", "--save-every", "4"]
+    full = _run(_torchrun(2) + [script, "--steps", "40", *small, "--ckpt", str(tmp_path / "ref"),
+                                "--memory-dir", str(tmp_path / "ref-shm")], tmp_path)
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    cmd = _torchrun(2) + [script, "--steps", "400", *small, "--ckpt", str(ckpt), "--memory-dir", str(shm)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        for line in proc.stdout:  # killed after step 7: a memory save may be in flight, never chosen torn
+            if line.startswith("step     7 |"):
+                break
+    finally:  # the agent and its workers (torchrun starts each worker in a session of its own)
+        _kill_processes_naming(str(ckpt), proc)
+    durable_step = int((ckpt / "latest").read_text().strip()[len("step-"):])
+    resumed = _run(_torchrun(2) + [script, "--steps", "40", *small, "--ckpt", str(ckpt), "--memory-dir", str(shm),
+                                   "--resume"], tmp_path)
+    chosen = re.search(r"recovered from the memory tier: step-(\d+) \(step (\d+)\), every file from its own node",
+                       resumed)
+    assert chosen and 4 <= durable_step <= int(chosen[2]) < 40, (durable_step, resumed)
+    assert f"resumed from {ckpt} at step {int(chosen[2])}" in resumed, resumed
+    assert float(VAL_LINE.search(resumed)[1]) == float(VAL_LINE.search(full)[1])
