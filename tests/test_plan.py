@@ -203,7 +203,7 @@ def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
     reshard(str(tmp_path / "ck"), 4, str(tmp_path / "r4"))
     assert read_checkpoint(str(tmp_path / "r4"))["w"].equal(data["w"])
     made = []
-    original = plan_module.plan_outputs
+    original = plan_module.plan_files
 
     def last_piece_dropped(*args, **kwargs):
         plan = original(*args, **kwargs)
@@ -212,7 +212,7 @@ def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
         keep[np.flatnonzero(plan.tensor == plan.tensor_names.index("w"))[-1]] = False
         return plan.take(keep)
 
-    monkeypatch.setattr(plan_module, "plan_outputs", last_piece_dropped)
+    monkeypatch.setattr(plan_module, "plan_files", last_piece_dropped)
     consolidate(str(tmp_path / "ck"), str(tmp_path / "m.safetensors"))
     assert made and sum(int(p.nbytes.sum()) for p in made) == (120 + 7) * 4
     out = load_file(str(tmp_path / "m.safetensors"))
