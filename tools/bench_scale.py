@@ -26,8 +26,10 @@ Our ratios: reshard ranks -> to / reshard few -> few-1, and consolidate from ran
 the same bytes. The floor's: our commit's durability steps alone (each file created under a temp
 name and written once, renamed, all fsynced (Location.fsync), then one small manifest written
 atomically: zeroshard.storage, as reshard does) for `to` files vs few-1 files of the same total
-bytes, timed inside the process; `cp -r` + `sync` of each such folder; `cat` of every rank file
-into one file + `sync` for each checkpoint (consolidate's floor).
+bytes, timed inside the process, and its creates and renames alone (empty files, no fsync); `cp -r`
++ `sync` of each such folder; `cat` of every rank file into one file + `sync` for each checkpoint
+(consolidate's floor). The total is the tensor data (tensors x numel x 4): a rank file's header
+lists every tensor, so the 1,000-rank checkpoint itself is bigger.
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ FLOOR = """
 import os, sys, time
 from zeroshard.storage.location import Location
 from zeroshard.storage.mapped_file import move_into_place
-folder, files, total = Location(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-data = os.urandom(total // files)  # incompressible
+folder, files, total, steps = Location(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+data = os.urandom(total // files) if steps == "all" else b""  # incompressible; "create": empty files only
 names = [f"rank-{r:05d}-of-{files:05d}.safetensors" for r in range(files)]
 start = time.perf_counter()
 for name in names:
@@ -152,8 +154,9 @@ for name in names:
     if not folder.create_exclusive(temp, data, durable=False):
         raise SystemExit("exists")
     move_into_place(folder, folder.full_path(temp), name)
-folder.fsync(names)
-folder.write_bytes("zeroshard.json", b"{}")
+if steps == "all":
+    folder.fsync(names)
+    folder.write_bytes("zeroshard.json", b"{}")
 print(f"{time.perf_counter() - start:.6f}")
 """
 
@@ -163,7 +166,7 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
     many, few = work / "many", work / "few"
     build(many, args.tensors, args.numel, args.ranks)
     build(few, args.tensors, args.numel, args.few)
-    total = sum(f.stat().st_size for f in many.glob("rank-*"))
+    total = args.tensors * args.numel * 4  # the tensor data (rank files' headers grow with ranks x tensors)
     out = work / "out"
 
     def clean(_name: str = "") -> None:
@@ -171,10 +174,10 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         subprocess.run("sync", shell=True)
 
-    def floor_files(files: int):
+    def floor_files(files: int, steps: str = "all"):
         def run() -> float:
-            proc = subprocess.run([sys.executable, "-c", FLOOR, str(out), str(files), str(total)], check=True,
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-c", FLOOR, str(out), str(files), str(total), steps],
+                                  check=True, capture_output=True, text=True)
             return float(proc.stdout.split()[-1])
         return run
 
@@ -183,7 +186,7 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
 
     def made(files: int) -> Path:  # a folder of `files` files of `total` bytes, for cp -r
         folder = work / f"made{files}"
-        subprocess.run([sys.executable, "-c", FLOOR, str(folder), str(files), str(total)], check=True,
+        subprocess.run([sys.executable, "-c", FLOOR, str(folder), str(files), str(total), "all"], check=True,
                        capture_output=True)
         return folder
 
@@ -194,6 +197,7 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
         "reshard_many": lambda: timed(zeroshard("reshard", str(many), "--to", str(args.to), "-o", str(out)))[0],
         "reshard_few": lambda: timed(zeroshard("reshard", str(few), "--to", str(args.few - 1), "-o", str(out)))[0],
         "floor_many": floor_files(args.to), "floor_few": floor_files(args.few - 1),
+        "create_many": floor_files(args.to, "create"), "create_few": floor_files(args.few - 1, "create"),
         "cp_many": shell(cp.format(to_many)), "cp_few": shell(cp.format(to_few)),
         "consolidate_many": lambda: timed(zeroshard("consolidate", str(many), str(work / "out.safetensors")))[0],
         "consolidate_few": lambda: timed(zeroshard("consolidate", str(few), str(work / "out.safetensors")))[0],
@@ -205,6 +209,8 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
                           f"{args.few - 1}"),
               "floor": (f"commit steps alone, {args.to} files of {mb} (in-process)",
                         f"commit steps alone, {args.few - 1} files of {mb} (in-process)"),
+              "create": (f"create + rename alone, {args.to} empty files (in-process)",
+                         f"create + rename alone, {args.few - 1} empty files (in-process)"),
               "cp": (f"cp -r + sync, {args.to} files", f"cp -r + sync, {args.few - 1} files"),
               "consolidate": (f"zeroshard consolidate from {args.ranks} ranks", f"zeroshard consolidate from "
                               f"{args.few} ranks"),
@@ -212,8 +218,8 @@ def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
     for key, (many_label, few_label) in labels.items():
         rep.runs(f"{key}_many", runs[f"{key}_many"], many_label)
         rep.runs(f"{key}_few", runs[f"{key}_few"], few_label)
-    for key, target in (("reshard", "<= 1.3"), ("floor", None), ("cp", None), ("consolidate", "<= 1.3"),
-                        ("cat", None)):
+    for key, target in (("reshard", "<= 1.3"), ("floor", None), ("create", None), ("cp", None),
+                        ("consolidate", "<= 1.3"), ("cat", None)):
         rep.ratio(f"{key}_many_vs_few", f"{key}_many", f"{key}_few", f"{labels[key][0]} / {labels[key][1]}",
                   target)
 
