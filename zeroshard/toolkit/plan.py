@@ -126,7 +126,9 @@ def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> lis
     `whole_outputs=False`: tasks of consecutive pieces of outputs created up front (Plan.split)."""
     written = int(plan.written.sum())
     small = whole_outputs and written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)
-    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1, 4 * workers * (workers > 1))
+    per_worker = 4 if whole_outputs else 2  # runs of pieces: each task maps every input it reads from
+    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1,
+                per_worker * workers * (workers > 1))
     return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part)
             for part in plan.split(parts, whole_outputs)]
 
