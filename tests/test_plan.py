@@ -150,6 +150,29 @@ def test_plans_are_pure_split_and_describe(tmp_path):
         plan.split(0)
 
 
+def test_split_by_pieces_shares_outputs_made_up_front(tmp_path, monkeypatch):
+    """Plan.split(whole_outputs=False), for outputs created up front (one big consolidated file):
+    consecutive runs of pieces, at most PIECE_BUDGET each, every part naming the outputs it writes."""
+    from zeroshard.toolkit import plan as plan_module
+
+    specs = [TensorSpec(f"t{i}", "param", "F32", (10 + i,), "flat") for i in range(6)]
+    write_checkpoint(str(tmp_path / "ck"), specs, {s.name: torch.randn(s.shape) for s in specs}, 4)
+    _, manifest = open_checkpoint(str(tmp_path / "ck"))
+    for out, shard in (("model.safetensors", None), ("folder", "100B")):
+        plan = make_plan(manifest, out, max_shard_size=shard)
+        for k in (1, 2, 5, 1000):
+            parts = plan.split(k, whole_outputs=False)
+            assert 1 <= len(parts) <= k and sum(len(p) for p in parts) == len(plan)
+            for column in ("input", "input_offset", "output", "output_offset", "nbytes"):
+                assert (np.concatenate([getattr(p, column) for p in parts]) == getattr(plan, column)).all()
+            for p in parts:
+                assert [i for i, s in enumerate(p.output_sizes) if s] == p.outputs_used()
+        monkeypatch.setattr(plan_module, "PIECE_BUDGET", 3)
+        parts = plan.split(1, whole_outputs=False)
+        assert max(len(p) for p in parts) <= 3 and sum(len(p) for p in parts) == len(plan)
+        monkeypatch.undo()
+
+
 def _tree(path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
@@ -203,7 +226,7 @@ def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
     reshard(str(tmp_path / "ck"), 4, str(tmp_path / "r4"))
     assert read_checkpoint(str(tmp_path / "r4"))["w"].equal(data["w"])
     made = []
-    original = plan_module.plan_outputs
+    original = plan_module.plan_files
 
     def last_piece_dropped(*args, **kwargs):
         plan = original(*args, **kwargs)
@@ -212,7 +235,7 @@ def test_the_copy_executor_carries_out_the_plan(tmp_path, monkeypatch, window):
         keep[np.flatnonzero(plan.tensor == plan.tensor_names.index("w"))[-1]] = False
         return plan.take(keep)
 
-    monkeypatch.setattr(plan_module, "plan_outputs", last_piece_dropped)
+    monkeypatch.setattr(plan_module, "plan_files", last_piece_dropped)
     consolidate(str(tmp_path / "ck"), str(tmp_path / "m.safetensors"))
     assert made and sum(int(p.nbytes.sum()) for p in made) == (120 + 7) * 4
     out = load_file(str(tmp_path / "m.safetensors"))

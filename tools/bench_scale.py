@@ -18,6 +18,18 @@ of each command, and (--in-process) its time after interpreter start-up and impo
 Part 2: a `--plan-ranks`-rank checkpoint of `--plan-tensors` tensors: `zeroshard inspect` and load
 planning for one rank, each a fresh process (median seconds; inspect's peak RSS, bar 200 MiB).
 Raw JSON: tools/results/bench_scale.json (--json PATH elsewhere).
+
+    python tools/bench_scale.py --floor --tensors 300 --numel 16384 --ranks 1024 --to 1000 --few 8
+
+`--floor`: the per-file floor of the filesystem, against our own per-file cost, all interleaved.
+Our ratios: reshard ranks -> to / reshard few -> few-1, and consolidate from ranks / from few, of
+the same bytes. The floor's: our commit's durability steps alone (each file created under a temp
+name and written once, renamed, all fsynced (Location.fsync), then one small manifest written
+atomically: zeroshard.storage, as reshard does) for `to` files vs few-1 files of the same total
+bytes, timed inside the process, and its creates and renames alone (empty files, no fsync); `cp -r`
++ `sync` of each such folder; `cat` of every rank file into one file + `sync` for each checkpoint
+(consolidate's floor). The total is the tensor data (tensors x numel x 4): a rank file's header
+lists every tensor, so the 1,000-rank checkpoint itself is bigger.
 """
 
 from __future__ import annotations
@@ -126,6 +138,92 @@ print(f"{time.perf_counter() - start:.3f} {pieces} {len(files)}")
 """
 
 
+# Our commit's durability steps alone (reshard's: zeroshard.toolkit.packed, format/output.py):
+# every file created under a temp name with one write, renamed, then all made durable together
+# (Location.fsync), then the manifest, committed last. Timed from the first create.
+FLOOR = """
+import os, sys, time
+from zeroshard.storage.location import Location
+from zeroshard.storage.mapped_file import move_into_place
+folder, files, total, steps = Location(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+data = os.urandom(total // files) if steps == "all" else b""  # incompressible; "create": empty files only
+names = [f"rank-{r:05d}-of-{files:05d}.safetensors" for r in range(files)]
+start = time.perf_counter()
+for name in names:
+    temp = folder.temp_name(name)
+    if not folder.create_exclusive(temp, data, durable=False):
+        raise SystemExit("exists")
+    move_into_place(folder, folder.full_path(temp), name)
+if steps == "all":
+    folder.fsync(names)
+    folder.write_bytes("zeroshard.json", b"{}")
+print(f"{time.perf_counter() - start:.6f}")
+"""
+
+
+def floor(args: argparse.Namespace, rep: benchlib.Report, work: Path) -> None:
+    """The per-file floor against our per-file cost (see the module docstring, --floor)."""
+    many, few = work / "many", work / "few"
+    build(many, args.tensors, args.numel, args.ranks)
+    build(few, args.tensors, args.numel, args.few)
+    total = args.tensors * args.numel * 4  # the tensor data (rank files' headers grow with ranks x tensors)
+    out = work / "out"
+
+    def clean(_name: str = "") -> None:
+        for p in (out, work / "copy", work / "cat.bin", work / "out.safetensors"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        subprocess.run("sync", shell=True)
+
+    def floor_files(files: int, steps: str = "all"):
+        def run() -> float:
+            proc = subprocess.run([sys.executable, "-c", FLOOR, str(out), str(files), str(total), steps],
+                                  check=True, capture_output=True, text=True)
+            return float(proc.stdout.split()[-1])
+        return run
+
+    def shell(cmd: str):
+        return lambda: timed(cmd, shell=True)[0]
+
+    def made(files: int) -> Path:  # a folder of `files` files of `total` bytes, for cp -r
+        folder = work / f"made{files}"
+        subprocess.run([sys.executable, "-c", FLOOR, str(folder), str(files), str(total), "all"], check=True,
+                       capture_output=True)
+        return folder
+
+    to_many, to_few = made(args.to), made(args.few - 1)
+    cp = f"cp -r {{}} {work}/copy && sync {work}/copy/*"
+    cat = f"cat {{}}/*.safetensors > {work}/cat.bin && sync {work}/cat.bin"
+    sides = {
+        "reshard_many": lambda: timed(zeroshard("reshard", str(many), "--to", str(args.to), "-o", str(out)))[0],
+        "reshard_few": lambda: timed(zeroshard("reshard", str(few), "--to", str(args.few - 1), "-o", str(out)))[0],
+        "floor_many": floor_files(args.to), "floor_few": floor_files(args.few - 1),
+        "create_many": floor_files(args.to, "create"), "create_few": floor_files(args.few - 1, "create"),
+        "cp_many": shell(cp.format(to_many)), "cp_few": shell(cp.format(to_few)),
+        "consolidate_many": lambda: timed(zeroshard("consolidate", str(many), str(work / "out.safetensors")))[0],
+        "consolidate_few": lambda: timed(zeroshard("consolidate", str(few), str(work / "out.safetensors")))[0],
+        "cat_many": shell(cat.format(many)), "cat_few": shell(cat.format(few)),
+    }
+    runs = benchlib.interleave(sides, args.repeat, warmup=1, before_each=clean)
+    mb = f"{total / 1e6:.1f} MB"
+    labels = {"reshard": (f"zeroshard reshard {args.ranks} -> {args.to}", f"zeroshard reshard {args.few} -> "
+                          f"{args.few - 1}"),
+              "floor": (f"commit steps alone, {args.to} files of {mb} (in-process)",
+                        f"commit steps alone, {args.few - 1} files of {mb} (in-process)"),
+              "create": (f"create + rename alone, {args.to} empty files (in-process)",
+                         f"create + rename alone, {args.few - 1} empty files (in-process)"),
+              "cp": (f"cp -r + sync, {args.to} files", f"cp -r + sync, {args.few - 1} files"),
+              "consolidate": (f"zeroshard consolidate from {args.ranks} ranks", f"zeroshard consolidate from "
+                              f"{args.few} ranks"),
+              "cat": (f"cat of {args.ranks} rank files + sync", f"cat of {args.few} rank files + sync")}
+    for key, (many_label, few_label) in labels.items():
+        rep.runs(f"{key}_many", runs[f"{key}_many"], many_label)
+        rep.runs(f"{key}_few", runs[f"{key}_few"], few_label)
+    for key, target in (("reshard", "<= 1.3"), ("floor", None), ("create", None), ("cp", None),
+                        ("consolidate", "<= 1.3"), ("cat", None)):
+        rep.ratio(f"{key}_many_vs_few", f"{key}_many", f"{key}_few", f"{labels[key][0]} / {labels[key][1]}",
+                  target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=256)
@@ -141,6 +239,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="result file (default tools/results/bench_scale.json)")
     parser.add_argument("--skip-part2", action="store_true")
     parser.add_argument("--only", default="reshard,consolidate,verify", help="which part-1 operations to run")
+    parser.add_argument("--floor", action="store_true", help="only the per-file floor (see the docstring)")
+    parser.add_argument("--few", type=int, default=8, help="--floor: the few-rank side (few -> few - 1)")
     args = parser.parse_args()
     use_compiled_bytecode()
     rep = benchlib.Report("bench_scale", vars(args), scope=(
@@ -150,6 +250,11 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ckpt, copy, out = work / "ckpt", work / "copy", work / "out"
+    if args.floor:
+        floor(args, rep, work)
+        shutil.rmtree(work, ignore_errors=True)
+        print("\n" + rep.table() + f"\n\nraw JSON: {rep.finish(args.json)}")
+        return
 
     built = build(ckpt, args.tensors, args.numel, args.ranks)
     manifest_bytes = (ckpt / "zeroshard.json").stat().st_size

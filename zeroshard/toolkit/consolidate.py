@@ -23,11 +23,9 @@ from zeroshard.format.full_model import HF_INDEX_NAME, split_file_url
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.storage.mapped_file import MappedOutput
-from zeroshard.toolkit.plans import FixedPlans, plan_output, split_output
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
-from zeroshard.toolkit.transfer import Job, run_transfer
+from zeroshard.toolkit.transfer import Job, commit, create_outputs, discard, run_transfer
 from zeroshard.toolkit.workers import auto_workers
 
 CONFIG_NAME = "config.json"
@@ -141,27 +139,21 @@ def prepare(folder: Location, names: list[str], single_file: bool, overwrite: bo
 def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
                       shards: list[list[OutputTensor]], progress, workers: int) -> None:
     """Local outputs: every input file read once, each fragment placed at its offset (transfer.py).
-    A single big output file is split by tensors across tasks, so workers share it."""
-    plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
-                         {"format": "pt"}, hash_table=False)
-             for name, shard in zip(names, shards)]
-    outputs: list[MappedOutput] = []
+    The outputs are created first and filled by tasks of consecutive pieces, so workers share
+    even a single big file."""
+    from zeroshard.toolkit.plan import plan_files, split_tasks  # numpy: when a copy starts
+
+    plan = plan_files(manifest, names, shards)
+    outputs = create_outputs(folder, plan)
     try:
-        for plan in plans:
-            outputs.append(MappedOutput.create(folder, plan.name, plan.size))
-            outputs[-1].view[:len(plan.header)] = plan.header
-            outputs[-1].close()
-        job = Job(source.url, source.storage_options, manifest, folder.url, FixedPlans(plans),
-                  {i: o.temp_path for i, o in enumerate(outputs)})
-        tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size, workers)]
-        run_transfer(job, tasks, workers, progress, sum(t.nbytes for plan in plans for t in plan.tensors))
-        folder.fsync([o.temp_path.rsplit("/", 1)[-1] for o in outputs])  # durable before it appears
-        for output in outputs:
-            output.commit()
+        job = Job(source.url, source.storage_options, manifest, folder.url, plan.outputs,
+                  {i: f.temp_path for i, f in enumerate(outputs)})
+        run_transfer(job, split_tasks(plan, workers, whole_outputs=False), workers, progress, int(plan.written.sum()))
+        folder.fsync([f.temp_path.rsplit("/", 1)[-1] for f in outputs])  # durable before it appears
+        commit(folder, outputs)
         folder.fsync(names)  # (already clean) and the folder entry of each rename
     except BaseException:
-        for output in outputs:
-            output.discard()
+        discard(outputs)
         raise
 
 

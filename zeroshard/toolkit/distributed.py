@@ -32,17 +32,17 @@ from typing import Any
 
 from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import FileEntry, RankFileResult, build_manifest, update_latest
+from zeroshard.format import RankFileResult
 from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from zeroshard.format.output import PreparedOutput, prepare_output
 from zeroshard.storage.identity import identity
 from zeroshard.storage.location import Location, parse_storage_options
-from zeroshard.storage.mapped_file import MappedOutput
 from zeroshard.toolkit.plan import Plan, plan_files, plan_ranks, split_tasks
-from zeroshard.toolkit.plans import Finished, FixedPlans, RankFilePlans, Task, plan_output, split_output
+from zeroshard.toolkit.plans import Finished, RankFilePlans, carried_tensors
+from zeroshard.toolkit.reshard import commit_resharded, target_of
 from zeroshard.toolkit.stream import stream_outputs
-from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
+from zeroshard.toolkit.transfer import Job, commit, create_outputs, discard, rank_file_results, run_and_commit
 
 
 def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool = False,
@@ -57,18 +57,16 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
     def setup() -> dict[str, str]:
         given = Location(ckpt, storage_options)
         source, manifest, digest = _open_source(given)
-        as_root = source.url != given.url
         out_root = Location(out, storage_options)
-        target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
-        opened.update(given=given, source=source, manifest=manifest, as_root=as_root, out_root=out_root, target=target)
+        target = target_of(given, source, out_root)
+        opened.update(given=given, source=source, manifest=manifest, out_root=out_root, target=target)
         return _arguments("reshard", given, source, manifest, digest, {
             "--to": world_size, "-o": _where(target), "--overwrite": overwrite, "-j": workers})
 
     _same_everywhere(_agree(setup))  # before anything is prepared: nothing written if they differ
     given, source, manifest = opened["given"], opened["source"], opened["manifest"]
-    as_root, out_root, target = opened["as_root"], opened["out_root"], opened["target"]
-    keep_local = world_size == manifest.world_size
-    specs = [t for t in manifest.tensors.values() if keep_local or t.layout != "local"]
+    out_root, target = opened["out_root"], opened["target"]
+    specs = carried_tensors(manifest, world_size)
 
     prepared: list[PreparedOutput] = []  # process 0's: identity, claim, stage (docs/SAFETY.md)
 
@@ -85,22 +83,16 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
         mine = split_tasks(plan, procs * max(workers, 1))[rank::procs]
 
         def write() -> list[RankFileResult]:
-            return [RankFileResult(FileEntry(f.name, index, f.size, f.file_hash), f.fragment_hashes)
-                    for index, f in _run_and_sync(job, mine, workers).items()]
+            return rank_file_results(run_and_commit(job, mine, workers, sync=True))
     else:  # object store: each process streams whole rank files, a contiguous band of output ranks
 
         def write() -> list[RankFileResult]:
             return stream_outputs(source, manifest, stage, _share(plan, rank, procs))
 
     def finish(written: list[list[RankFileResult]]) -> None:
-        results = [result for part in written for result in part]
-        extra = dict(manifest.extra, resharded_from={"world_size": manifest.world_size, "checkpoint_id": manifest.id})
-        new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
-                             dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
-                             client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-        prepared[0].commit_checkpoint(new)  # every process synced its own files (S3 objects are durable)
-        if as_root:
-            update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
+        # every process synced its own files (S3 objects are durable)
+        commit_resharded(prepared[0], manifest, specs, world_size, [result for part in written for result in part],
+                         checkpoint_id, out_root)
 
     try:
         written = _agree(write)
@@ -146,45 +138,33 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     source, manifest = opened["source"], opened["manifest"]
     folder, names, shards, total, single_file = opened["plan"]
     prepared: list[PreparedOutput | None] = []  # process 0's (None for a single file: replaced atomically)
-    plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
-                         {"format": "pt"}, hash_table=False)
-             for name, shard in zip(names, shards)]
+    plan = plan_files(manifest, names, shards)  # every process plans alike, then takes its share
+    created: list[Finished] = []
 
     def create() -> tuple[str, dict[int, str]]:
         prepared.append(single.prepare(folder, names, single_file, overwrite,
                                        [Location(ckpt, storage_options), source]))
         stage = prepared[0].stage if prepared[0] else folder
-        if not stage.local:
-            return stage.url, {}  # object store: no shared file to fill; each process streams whole files
-        outputs = []
-        try:
-            for plan in plans:
-                outputs.append(MappedOutput.create(stage, plan.name, plan.size))
-                outputs[-1].view[:len(plan.header)] = plan.header
-                outputs[-1].close()
-        except BaseException:
-            for output in outputs:
-                output.discard()
-            raise
-        return stage.url, {i: o.temp_path for i, o in enumerate(outputs)}
+        if stage.local:  # (an object store has no shared file to fill: each process streams whole files)
+            created.extend(create_outputs(stage, plan))
+        return stage.url, {i: f.temp_path for i, f in enumerate(created)}
 
     stage_url, temp_paths = _on_rank0(create)
     stage = Location(stage_url, storage_options)
-    if stage.local:  # every output created by process 0; all fill them by tensor ranges (transfer.py)
-        job = Job(source.url, source.storage_options, manifest, stage_url, FixedPlans(plans), temp_paths)
-        tasks = [task for i, plan in enumerate(plans) for task in split_output(plan, i, manifest.world_size,
-                                                                                procs * max(workers, 1))]
+    if stage.local:  # every output created by process 0; all fill them by runs of pieces (transfer.py)
+        job = Job(source.url, source.storage_options, manifest, stage_url, plan.outputs, temp_paths)
+        tasks = split_tasks(plan, procs * max(workers, 1), whole_outputs=False)
 
         def write() -> None:
-            _run_and_sync(job, tasks[rank::procs], workers)
+            run_and_commit(job, tasks[rank::procs], workers, sync=True)
     else:  # object store: an object is written front to back by one writer, so files are dealt out whole
 
         def write() -> None:
-            stream_outputs(source, manifest, stage, _share(plan_files(manifest, names, shards), rank, procs))
+            stream_outputs(source, manifest, stage, _share(plan, rank, procs))
 
     def finish() -> None:
         if stage.local:
-            commit(stage, _finished_stubs(plans, temp_paths))
+            commit(stage, created)
             stage.fsync(names)
         if prepared[0] is not None:
             single.finish_folder(prepared[0], names, shards, total, opened["config"])
@@ -194,7 +174,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
         _on_rank0(finish)
     except BaseException:
         if rank == 0:
-            discard(_finished_stubs(plans, temp_paths))
+            discard(created)
             if prepared and prepared[0] is not None and not prepared[0].done:
                 prepared[0].abandon()
         raise
@@ -251,22 +231,6 @@ def _share(plan: Plan, rank: int, procs: int) -> Plan:
     neighbouring inputs), about equal in bytes; none when there are fewer outputs than processes."""
     parts = plan.split(procs)
     return parts[rank] if rank < len(parts) else replace(plan.take(slice(0, 0)), output_sizes=[])
-
-
-def _finished_stubs(plans: list, temp_paths: dict[int, str]) -> list:
-
-    return [Finished(plan.name, temp_paths[i], plan.size) for i, plan in enumerate(plans) if i in temp_paths]
-
-
-def _run_and_sync(job: Job, tasks: list[Task], workers: int) -> dict:
-    """This process's tasks; then its writes made durable, since process 0 commits them."""
-    finished = run_transfer(job, tasks, workers)
-    touched = {f.temp_path for f in finished.values()} | {job.temp_paths[i] for t in tasks for i in t.outputs
-                                                          if i in job.temp_paths}
-    target = Location(job.target_url, job.storage_options)  # every temp file is in the stage
-    target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
-    commit(target, finished.values())  # whole files: under their names
-    return finished
 
 
 def _outcome(step) -> tuple[Any, ZeroshardError | None]:

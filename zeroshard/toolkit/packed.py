@@ -31,10 +31,10 @@ import xxhash
 
 from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format.layouts import layouts_of
-from zeroshard.format.manifest import Manifest, rank_file_name
+from zeroshard.format.manifest import rank_file_name
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.gather import copy_pieces
+from zeroshard.toolkit.gather import check_input, copy_pieces
 from zeroshard.toolkit.plan import plan_ranks, run_arrays
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
@@ -97,7 +97,9 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
         if not source.read_whole_into(file.name, data):
             raise _Fallback
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
-            _explain_mismatch(source, manifest, q)
+            with CheckpointReader(source, manifest) as reader:  # names the tensor when a fragment hash can
+                check_input(reader, q, data, list(reader.open_file(q).header.entries))
+                raise CheckpointError(reader.where(q), "content hash mismatch (file corrupt or modified)")
         header = source_layouts.header(q)  # the plan's input offsets assume it
         if file.size != source_layouts.file_size(q, header) or data[:len(header)].tobytes() != header:
             raise _Fallback  # a header composed otherwise (a valid file from another writer?): parse it there
@@ -137,17 +139,3 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
         progress(sum(f.size for f in files))
     return finished
 
-
-def _explain_mismatch(source: Location, manifest: Manifest, rank: int) -> None:
-    """An input's whole-file hash does not match: name the tensor if a fragment hash shows which,
-    else the file (its header or hash table changed). Always raises."""
-    with CheckpointReader(source, manifest) as reader:
-        opened = reader.open_file(rank)  # a header that disagrees with the manifest raises here, naming it
-        recorded = reader.fragment_hashes(rank)
-        for name, entry in opened.header.entries.items():
-            if name in recorded:
-                data = opened.reader.read(entry.begin, entry.end - entry.begin)
-                if xxhash.xxh3_64_hexdigest(data) != recorded[name]:
-                    raise CheckpointError(reader.where(rank),
-                                          f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
-        raise CheckpointError(reader.where(rank), "content hash mismatch (file corrupt or modified)")

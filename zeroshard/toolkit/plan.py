@@ -25,7 +25,15 @@ from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
-from zeroshard.toolkit.plans import PIECE_BUDGET, TASK_BYTES, FixedPlans, OutputPlan, RankFilePlans, Task, plan_output
+from zeroshard.toolkit.plans import (
+    PIECE_BUDGET,
+    TASK_BYTES,
+    FixedPlans,
+    RankFilePlans,
+    Task,
+    carried_tensors,
+    plan_output,
+)
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files
 
 COLUMNS = ("input", "input_offset", "output", "output_offset", "nbytes", "cast", "tensor", "input_fragment")
@@ -66,19 +74,27 @@ class Plan:
         """The pieces `mask` (booleans or indices) selects, everything else shared."""
         return replace(self, **{k: getattr(self, k)[mask] for k in COLUMNS})
 
-    def split(self, parts: int) -> list[Plan]:
-        """At most `parts` plans of consecutive whole outputs, about equal in bytes written (a part
-        describes its outputs in `output_sizes`, those with no piece too)."""
+    def split(self, parts: int, whole_outputs: bool = True) -> list[Plan]:
+        """At most `parts` plans about equal in bytes written: of consecutive whole outputs, or
+        (`whole_outputs=False`: outputs created up front and filled side by side, such as one big
+        consolidated file) of consecutive pieces, at most PIECE_BUDGET each. A part describes the
+        outputs it writes in `output_sizes` (whole outputs: those with no piece too)."""
         if parts < 1:
             raise InvalidArgumentError(f"a plan splits into at least 1 part, got {parts}")
-        per_output = np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes))
-        ends = np.cumsum(per_output)
+        if whole_outputs:
+            ends = np.cumsum(np.bincount(self.output, weights=self.written, minlength=len(self.output_sizes)))
+        else:
+            ends = np.cumsum(self.written)
         goals = ends[-1] * np.arange(1, parts) / parts if len(ends) else []
-        cuts = np.unique(np.r_[0, np.searchsorted(ends, goals, side="right"), len(self.output_sizes)])
-        bounds = np.searchsorted(self.output, cuts)  # pieces are ordered by output
-        return [replace(self.take(slice(a, b)), output_sizes=[s if i0 <= i < i1 else 0
-                                                               for i, s in enumerate(self.output_sizes)])
-                for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:])]  # empty outputs too
+        budget = [] if whole_outputs else np.arange(0, len(self), PIECE_BUDGET)
+        cuts = np.unique(np.r_[0, np.searchsorted(ends, goals, side="right"), budget, len(ends)]).astype(np.int64)
+        bounds = np.searchsorted(self.output, cuts) if whole_outputs else cuts  # pieces are ordered by output
+        split = []
+        for a, b, i0, i1 in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]):
+            part = self.take(slice(a, b))
+            mine = range(i0, i1) if whole_outputs else set(part.outputs_used())
+            split.append(replace(part, output_sizes=[s if i in mine else 0 for i, s in enumerate(self.output_sizes)]))
+        return split
 
     def outputs_used(self) -> list[int]:
         """The outputs this plan writes pieces into."""
@@ -104,42 +120,34 @@ class Plan:
         return "\n".join(lines)
 
 
-def split_tasks(plan: Plan, workers: int = 1) -> list[Task]:
+def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> list[Task]:
     """Tasks of consecutive whole outputs (each then reads a narrow band of inputs), each of about
-    PIECE_BUDGET pieces at most and, for small outputs, TASK_BYTES written; a few per worker."""
+    PIECE_BUDGET pieces at most and, for small outputs, TASK_BYTES written; a few per worker.
+    `whole_outputs=False`: tasks of consecutive pieces of outputs created up front (Plan.split)."""
     written = int(plan.written.sum())
-    small = written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)  # on average
-    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1, 4 * workers * (workers > 1))
-    return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part) for part in plan.split(parts)]
+    small = whole_outputs and written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)
+    per_worker = 4 if whole_outputs else 2  # runs of pieces: each task maps every input it reads from
+    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1,
+                per_worker * workers * (workers > 1))
+    return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part)
+            for part in plan.split(parts, whole_outputs)]
 
 
 def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
     """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False) for name, shard in zip(names, shards)]
-    return plan_outputs(manifest, FixedPlans(plans), dict(enumerate(plans)))
-
-
-def plan_outputs(manifest: Manifest, outputs: FixedPlans | RankFilePlans, plans: dict[int, OutputPlan],
-                 chosen: dict[int, list[int]] | None = None) -> Plan:
-    """The pieces of output files already laid out (`plans`, by output index), or of their
-    `chosen` tensors only: what one task of an executor carries out."""
     index = {name: i for i, name in enumerate(manifest.tensors)}
     casts: list[tuple[str, str] | None] = [None]
     rows = []
-    for i, p in plans.items():
-        for j in range(len(p.tensors)) if chosen is None else chosen[i]:
-            t = p.tensors[j]
+    for i, p in enumerate(plans):
+        for t in p.tensors:
             cast = (t.source.dtype, t.dtype) if t.source.dtype != t.dtype else None
             if cast not in casts:
                 casts.append(cast)
             rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
-    if chosen is None and isinstance(outputs, RankFilePlans):
-        return plan_ranks(manifest, outputs, sorted(plans))
-    sizes = [0] * outputs.count
-    for i, p in plans.items():
-        sizes[i] = p.size
-    return _plan(manifest, outputs, sizes, casts, *np.array(rows, dtype=np.int64).reshape(-1, 6).T)
+    return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts,
+                 *np.array(rows, dtype=np.int64).reshape(-1, 6).T)
 
 
 def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
@@ -185,9 +193,7 @@ def make_plan(manifest: Manifest, output: int | str, *, dtype: str | None = None
     """The plan of a reshard (`output`: a world size; 'local' tensors kept only at the same one)
     or of a consolidate (`output`: a file name ending .safetensors, or anything else: HF shards)."""
     if isinstance(output, int):
-        keep = output == manifest.world_size
-        return plan_rank_files(manifest, [t for t in manifest.tensors.values() if keep or t.layout != "local"],
-                               output, checkpoint_id)
+        return plan_rank_files(manifest, carried_tensors(manifest, output), output, checkpoint_id)
     names, shards, _ = output_files(output, model_tensors(output, manifest, dtype, include, exclude, strip_prefix),
                                     max_shard_size)
     return plan_files(manifest, names, shards)

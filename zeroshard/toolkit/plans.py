@@ -13,6 +13,12 @@ from zeroshard.format.writer import FORMAT_VERSION, rank_metadata
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, build_header_bytes
 
 
+def carried_tensors(manifest: Manifest, world_size: int) -> list[TensorEntry]:
+    """What a reshard to `world_size` writes: every tensor but the per-rank ('local') ones such
+    as RNG states, which mean nothing at another world size (kept at the same one)."""
+    return [t for t in manifest.tensors.values() if world_size == manifest.world_size or t.layout != "local"]
+
+
 class OutTensor(NamedTuple):
     """Elements [start, end) of global tensor `source`, stored in an output file under `name` with
     `shape` and `dtype`, from byte `begin` (filled in by plan_output). A tuple: a reshard to
@@ -90,42 +96,20 @@ class RankFilePlans:
                            rank_metadata(self.checkpoint_id, rank, self.world_size), hash_table=True)
 
 
-def _piece_count(t: OutTensor, source_world: int) -> int:
-    return min(t.end - t.start, source_world) if t.source.layout == "flat" else 1
-
-
 @dataclass
 class Task:
-    """Fill some outputs (all their tensors, or for one big pre-created output the `tensors`
-    indices given) and, for whole outputs, finish them (hash table and hashes)."""
+    """Fill some outputs: whole ones, then finished here (hash table and hashes), or those the
+    caller created up front (Job.temp_paths), with the pieces of `plan` only."""
 
     outputs: list[int]
-    tensors: dict[int, list[int]] | None = None  # set: the outputs exist already (created by the caller)
-    plan: Any = None  # the outputs' pieces, when planned already (a zeroshard.toolkit.plan.Plan)
+    plan: Any = None  # the pieces (a zeroshard.toolkit.plan.Plan); None: whole rank files, planned by the task
 
 
-PIECE_BUDGET = 500_000  # pieces planned at once: bounds the plan's memory (~100 bytes each); a task of a
+PIECE_BUDGET = 500_000  # pieces per task: bounds what a task holds per piece (~100 bytes each); a task of a
 # consolidate reads every input, so 1,000 ranks x 300 tensors is one task, not two reading each input
 # output bytes per task of small outputs: bounds a packed task's buffers (zeroshard.toolkit.packed);
 # big outputs are grouped by pieces only (their copies go through bounded windows anyway)
 TASK_BYTES = 32 * 1024 * 1024
-
-
-def split_output(plan: OutputPlan, index: int, source_world: int, workers: int) -> list[Task]:
-    """One big output's tensors in consecutive groups of about PIECE_BUDGET pieces and, with
-    workers, of about equal bytes (the output must be created by the caller: Job.temp_paths)."""
-    groups: list[list[int]] = [[]]
-    used = group_bytes = 0
-    byte_goal = sum(t.nbytes for t in plan.tensors) / (workers * 2) if workers > 1 else float("inf")
-    for i, t in enumerate(plan.tensors):
-        cost = _piece_count(t, source_world)
-        if groups[-1] and (used + cost > PIECE_BUDGET or group_bytes >= byte_goal):
-            groups.append([])
-            used = group_bytes = 0
-        groups[-1].append(i)
-        used += cost
-        group_bytes += t.nbytes
-    return [Task([index], {index: g}) for g in groups]
 
 
 @dataclass

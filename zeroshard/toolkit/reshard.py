@@ -17,20 +17,13 @@ import uuid
 from dataclasses import dataclass
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import (
-    FileEntry,
-    RankFileResult,
-    TensorSpec,
-    build_manifest,
-    open_checkpoint,
-    update_latest,
-)
-from zeroshard.format.manifest import Manifest
-from zeroshard.format.output import output_transaction, prepare_output
+from zeroshard.format import RankFileResult, TensorSpec, build_manifest, open_checkpoint, update_latest
+from zeroshard.format.manifest import Manifest, TensorEntry
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plans import RankFilePlans
+from zeroshard.toolkit.plans import RankFilePlans, carried_tensors
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, commit, discard, run_transfer
+from zeroshard.toolkit.transfer import Job, rank_file_results, run_and_commit
 from zeroshard.toolkit.workers import auto_workers
 
 
@@ -45,6 +38,28 @@ def default_output(ckpt_url: str, world_size: int) -> str:
     return f"{ckpt_url.rstrip('/')}-world{world_size}"
 
 
+def target_of(given: Location, source: Location, out_root: Location) -> Location:
+    """Where the new checkpoint goes. Given a root (followed through `latest`), a root is written
+    too: OUT/<same name> plus OUT/latest, so training resumes from OUT exactly as it would have
+    from the original root."""
+    return out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if source.url != given.url else out_root
+
+
+def commit_resharded(output: PreparedOutput, manifest: Manifest, specs: list[TensorEntry], world_size: int,
+                     results: list[RankFileResult], checkpoint_id: str, out_root: Location,
+                     sync_files: bool = False) -> Manifest:
+    """Commit the new checkpoint's manifest (its rank files durable first: `sync_files`, or synced
+    by whoever wrote them) and, for a root, OUT/latest. Returns the manifest."""
+    extra = dict(manifest.extra, resharded_from={"world_size": manifest.world_size, "checkpoint_id": manifest.id})
+    new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
+                         dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
+                         client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
+    output.commit_checkpoint(new, sync_files=sync_files)
+    if output.target.url != out_root.url:
+        update_latest(out_root, output.target.url.rstrip("/").rsplit("/", 1)[-1])
+    return new
+
+
 @output_transaction
 def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
             storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> ReshardResult:
@@ -56,14 +71,11 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
     given = Location(ckpt, storage_options)
     source, manifest = open_checkpoint(given)
-    # Given a root (followed through `latest`), write a root too: OUT/<same name> plus OUT/latest,
-    # so training resumes from OUT exactly as it would have from the original root.
-    as_root = source.url != given.url
-    keep_local = world_size == manifest.world_size
-    specs = [t for t in manifest.tensors.values() if keep_local or t.layout != "local"]
-    dropped = [name for name, t in manifest.tensors.items() if not (keep_local or t.layout != "local")]
+    specs = carried_tensors(manifest, world_size)
+    kept = {t.name for t in specs}
+    dropped = [name for name in manifest.tensors if name not in kept]
     out_root = Location(out or default_output(given.url, world_size), storage_options)
-    target = out_root.child(source.url.rstrip("/").rsplit("/", 1)[-1]) if as_root else out_root
+    target = target_of(given, source, out_root)
     output = prepare_output(target, overwrite, inputs=[given, source])  # identity, claim, stage (docs/SAFETY.md)
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.nbytes for t in specs)
@@ -79,14 +91,7 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
 
             results = stream_outputs(source, manifest, output.stage,
                                      plan_rank_files(manifest, specs, world_size, checkpoint_id), bar.update)
-    extra = dict(manifest.extra)
-    extra["resharded_from"] = {"world_size": manifest.world_size, "checkpoint_id": manifest.id}
-    new = build_manifest(specs, world_size, results, checkpoint_id, zero_stage=manifest.zero_stage,
-                         dtypes=manifest.dtypes, step=manifest.step, tag=manifest.tag, optimizer=manifest.optimizer,
-                         client_state=manifest.client_state, extra=extra, aliases=manifest.aliases)
-    output.commit_checkpoint(new, sync_files=True)
-    if as_root:
-        update_latest(out_root, target.url.rstrip("/").rsplit("/", 1)[-1])
+    new = commit_resharded(output, manifest, specs, world_size, results, checkpoint_id, out_root, sync_files=True)
     return ReshardResult(new, target, dropped)
 
 
@@ -105,17 +110,9 @@ def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options:
 
 def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
                       checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
-    planner = RankFilePlans(specs, world_size, checkpoint_id)
-    job = Job(source.url, source.storage_options, manifest, target.url, planner)
-    total = sum(t.nbytes for t in specs)
     from zeroshard.toolkit.plan import plan_ranks, split_tasks  # numpy: when a copy starts
 
+    planner = RankFilePlans(specs, world_size, checkpoint_id)
+    job = Job(source.url, source.storage_options, manifest, target.url, planner)
     tasks = split_tasks(plan_ranks(manifest, planner, range(world_size)), workers)
-    finished = run_transfer(job, tasks, workers, progress, total)
-    try:
-        commit(target, finished.values())
-    except BaseException:
-        discard(finished.values())
-        raise
-    return [RankFileResult(FileEntry(f.name, rank, f.size, f.file_hash), f.fragment_hashes)
-            for rank, f in sorted(finished.items())]
+    return rank_file_results(run_and_commit(job, tasks, workers, progress, sum(t.nbytes for t in specs)))

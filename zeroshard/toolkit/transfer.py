@@ -9,9 +9,9 @@ about 600,000 pieces, so the per-piece path is kept short (and such jobs of many
 zeroshard.toolkit.packed instead, when whole outputs are written). Inputs are hash-checked as they
 are read (files up to 1 MiB by their whole-file hash, bigger ones by the fragments used); 1.1
 outputs get their fragment hashes, hash table and file hash in one pass over each finished file.
-Work splits by output (whole files, or tensor ranges of one big file: zeroshard.toolkit.plans)
-into tasks that run in this
-process or in `workers` threads (big files) or processes (zeroshard.toolkit.workers).
+Work splits by Plan.split (whole files, or runs of pieces of files created up front, such as one
+big consolidated file) into tasks that run in this process or in `workers` threads (big files) or
+processes (zeroshard.toolkit.workers).
 
 Outputs on S3 cannot be written out of order; those take the remote executor
 (zeroshard.toolkit.stream).
@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from zeroshard.errors import CheckpointError
+from zeroshard.format import FileEntry, RankFileResult
 from zeroshard.format.reader import CheckpointReader
 from zeroshard.format.writer import hash_table_bytes
 from zeroshard.storage.hashing import hash_bytes, new_hasher
@@ -60,8 +61,9 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
             return results
         with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
             # processes re-plan their own outputs, side by side, rather than unpickle the pieces
-            threads = isinstance(pool, ThreadPoolExecutor)
-            futures = [pool.submit(run_task, job, task if threads else replace(task, plan=None)) for task in tasks]
+            # (pieces of outputs created up front cannot be re-planned: they travel)
+            replan = not isinstance(pool, ThreadPoolExecutor) and not job.temp_paths
+            futures = [pool.submit(run_task, job, replace(task, plan=None) if replan else task) for task in tasks]
             try:
                 for done, future in enumerate(futures):
                     results.update(future.result())
@@ -79,6 +81,47 @@ def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callab
         raise
 
 
+def run_and_commit(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
+                   total_bytes: int = 0, sync: bool = False) -> dict[int, Finished]:
+    """run_transfer, then the whole outputs moved to their names. `sync`: every file the tasks
+    wrote made durable first (the torchrun mode, where process 0 commits the others' files)."""
+    finished = run_transfer(job, tasks, workers, progress, total_bytes)
+    target = Location(job.target_url, job.storage_options)  # every temp file is in it
+    try:
+        if sync:
+            touched = {f.temp_path for f in finished.values()} | {job.temp_paths[i] for t in tasks
+                                                                  for i in t.outputs if i in job.temp_paths}
+            target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
+        commit(target, finished.values())
+    except BaseException:
+        discard(finished.values())
+        raise
+    return finished
+
+
+def rank_file_results(finished: dict[int, Finished]) -> list[RankFileResult]:
+    """Finished rank files as the manifest's entries, by rank."""
+    return [RankFileResult(FileEntry(f.name, rank, f.size, f.file_hash), f.fragment_hashes)
+            for rank, f in sorted(finished.items())]
+
+
+def create_outputs(target: Location, plan: Plan) -> list[Finished]:
+    """Every output of `plan` created up front, at its size and with its header, for tasks that
+    fill them side by side (Plan.split(whole_outputs=False)); on failure none is left."""
+    created: list[Finished] = []
+    try:
+        for i in range(plan.outputs.count):
+            output = plan.outputs.plan(i)
+            out = MappedOutput.create(target, output.name, output.size)
+            created.append(Finished(output.name, out.temp_path, output.size))
+            out.view[:len(output.header)] = output.header
+            out.close()
+    except BaseException:
+        discard(created)
+        raise
+    return created
+
+
 def discard(finished: Iterable[Finished]) -> None:
     for f in finished:
         with contextlib.suppress(OSError):
@@ -93,7 +136,8 @@ def commit(target: Location, finished: Iterable[Finished]) -> None:
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:
     """Fill this task's share of the outputs, reading each needed input file once, in rank order."""
-    if task.tensors is None and isinstance(job.planner, RankFilePlans):
+    whole = not job.temp_paths  # else the outputs were created up front: filled here, finished by the caller
+    if whole and isinstance(job.planner, RankFilePlans):
         from zeroshard.toolkit import packed
 
         if packed.fits(job, job.planner):  # many small files: built in memory, one write each
@@ -106,22 +150,22 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
     outputs: dict[int, MappedOutput] = {}
     try:
         for i, plan in plans.items():
-            if task.tensors is None:
+            if whole:
                 outputs[i] = MappedOutput.create(target, plan.name, plan.size)
                 outputs[i].view[:len(plan.header)] = plan.header
             else:
                 outputs[i] = MappedOutput.attach(target, plan.name, job.temp_paths[i], plan.size)
         # hashes taken during the copy, for whole rank files (others: none needed, or not ours)
         taken = {i: InOrderHashes(plan.header, [(t.begin, t.begin + t.nbytes) for t in plan.tensors])
-                 for i, plan in plans.items() if plan.hash_table and task.tensors is None}
+                 for i, plan in plans.items() if plan.hash_table and whole}
         # the plan's pieces: from small local inputs, mapped whole, through numpy (gather.py);
         # from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
         import numpy as np  # imported when a copy starts, not with the command
 
         from zeroshard.toolkit import gather
-        from zeroshard.toolkit.plan import plan_outputs
+        from zeroshard.toolkit.plan import plan_ranks
 
-        plan = task.plan if task.plan is not None else plan_outputs(job.manifest, job.planner, plans, task.tensors)
+        plan = task.plan if task.plan is not None else plan_ranks(job.manifest, job.planner, task.outputs)
         sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
         mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
         needed = _pieces_by_input(job.manifest, plan.take(~mapped))
@@ -134,11 +178,11 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
             for pieces, rank in gather.by_input(plan.take(mapped)):  # small local inputs, one at a time
                 gather.copy_from_input(reader, rank, pieces, outputs, progress)
                 reader.close()  # one input open at a time: its map and descriptor go now
-        if task.tensors is not None:
+        if not whole:
             return {}
         return {i: _finish(plans[i], outputs[i], taken.get(i)) for i in task.outputs}
     except BaseException:
-        if task.tensors is None:
+        if whole:
             for out in outputs.values():
                 out.discard()
         raise
