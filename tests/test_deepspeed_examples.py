@@ -56,7 +56,17 @@ def test_scripts_name_only_deepspeed():
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_references_are_what_real_deepspeed_gives_now(tmp_path):
-    """The committed references still match a live DeepSpeed run (one script, to keep this short)."""
+    """The committed references still match a live DeepSpeed run (one script, to keep this short),
+    within 1e-5 relative, this project's fp32 bar: real DeepSpeed's own losses differ from run to
+    run and machine to machine in the last bits (measured: about 1.1e-7 relative, in a different
+    step each run, on the same machine and code), so bit equality failed on unchanged code."""
     reference = json.loads((DATA / "bert_mlm.json").read_text())
     live = run_example("bert_mlm", "deepspeed", tmp_path, free_port(), timeout=300)
-    assert live == reference["losses"]
+    assert sorted(live) == sorted(reference["losses"])
+    for stage, runs in reference["losses"].items():
+        assert sorted(live[stage]) == sorted(runs)
+        for kind, per_rank in runs.items():
+            assert len(live[stage][kind]) == len(per_rank)
+            for rank, losses in enumerate(per_rank):
+                assert _close(live[stage][kind][rank], losses, rel=1e-5), (stage, kind, rank, live[stage][kind][rank],
+                                                                            losses)
