@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import bench_gpt  # noqa: E402
 import benchlib  # noqa: E402
 
 from bench_toolkit import timed  # noqa: E402  (wall, child peak RSS, CPU)
@@ -47,47 +48,27 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from samples.gpt import GPT, GPTConfig, lm_loss
+    from samples.gpt import lm_loss
 
     which = args.worker
-    if which == "ds":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.vocab, block_size=64, n_layer=args.n_layer, n_head=args.n_head,
-                          n_embd=args.n_embd))
+    bench_gpt.init_group(deepspeed=which == "ds")
+    model = bench_gpt.sample_gpt(args)
     x = torch.randint(0, args.vocab, (1, 16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if which == "zs":
         import zeroshard
 
-        eng = zeroshard.initialize(model=model, optimizer=opt, config={"zero_optimization": {"stage": 3}})
+        eng = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                   config={"zero_optimization": {"stage": 3}})
         eng.backward(lm_loss(eng(x), x))
         eng.step()
         eng.save_checkpoint(args.dir, tag="t")
     elif which == "ds":
-        import deepspeed
-
-        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9})
-        eng.backward(lm_loss(eng(x), x))
-        eng.step()
-        eng.save_checkpoint(args.dir, tag="t")
+        bench_gpt.save_deepspeed(model, x, args.dir)
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = bench_gpt.fully_shard_blocks(model)
         lm_loss(model(x), x).backward()
         opt.step()
         sd = model.state_dict()
@@ -101,16 +82,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def save(which: str, folder: Path, args: argparse.Namespace) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--worker", which, "--dir", str(folder), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-           "--n-head", str(args.n_head), "--vocab", str(args.vocab)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode:
-        tail = "\n".join([ln for ln in r.stderr.splitlines() if ln.startswith("[rank")][-8:] or
-                         r.stderr.splitlines()[-8:])
-        raise SystemExit(f"saving the {which} checkpoint failed:\n{tail}")
+    bench_gpt.launch(__file__, ["--worker", which, "--dir", str(folder), *bench_gpt.model_argv(args)], 2,
+                     f"saving the {which} checkpoint", timeout=900)
 
 
 def check_outputs(outs: dict[str, Path]) -> None:
@@ -134,10 +107,7 @@ def check_outputs(outs: dict[str, Path]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=512)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
+    bench_gpt.add_model_args(p)
     p.add_argument("--repeat", type=int, default=5,
                    help="interleaved repeats after one warm-up (a repeat costs > 10 s: both competitors import torch)")
     p.add_argument("--dir", default="/tmp/zs-bench-consolidate")

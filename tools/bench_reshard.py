@@ -37,35 +37,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import bench_gpt  # noqa: E402
 import benchlib  # noqa: E402
 
 from bench_toolkit import timed  # noqa: E402  (wall, child peak RSS, CPU)
 
 NEW_WORLD = 3
 WORKER_SETTINGS = [(1, 1), (2, 1), (4, 2)]  # ds_to_universal (extract, merge) workers tried
-
-
-def _model(args: argparse.Namespace):
-    import torch
-
-    from samples.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=args.vocab, block_size=64, n_layer=args.n_layer, n_head=args.n_head,
-                         n_embd=args.n_embd))
-
-
-def _fsdp(model):
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -75,13 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     from samples.gpt import lm_loss
 
     which = args.worker
-    if which == "save-ds":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
-    model = _model(args)
+    bench_gpt.init_group(deepspeed=which == "save-ds")
+    model = bench_gpt.sample_gpt(args)
     x = torch.randint(0, args.vocab, (1, 16), generator=torch.Generator().manual_seed(1))
     if which in ("save-zs", "load-zs"):
         import zeroshard
@@ -100,19 +73,12 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             _report(args, time.perf_counter() - start, eng.global_steps == 1)
     elif which == "save-ds":
-        import deepspeed
-
-        eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9})
-        eng.backward(lm_loss(eng(x), x))
-        eng.step()
-        eng.save_checkpoint(args.dir, tag="t")
+        bench_gpt.save_deepspeed(model, x, args.dir)
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        fsdp, opt = _fsdp(model)
+        fsdp, opt = bench_gpt.fully_shard_blocks(model)
         if which == "save-dcp":
             lm_loss(fsdp(x), x).backward()
             opt.step()
@@ -143,18 +109,9 @@ def _report(args: argparse.Namespace, seconds: float, loaded: bool) -> None:
 
 
 def launch(worker_name: str, folder: Path, args: argparse.Namespace, nproc: int, time_file: Path | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--worker", worker_name, "--dir", str(folder), "--n-layer", str(args.n_layer), "--n-embd",
-           str(args.n_embd), "--n-head", str(args.n_head), "--vocab", str(args.vocab)]
-    if time_file is not None:
-        cmd += ["--time-file", str(time_file)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode:
-        tail = "\n".join([ln for ln in r.stderr.splitlines() if ln.startswith("[rank")][-8:] or
-                         r.stderr.splitlines()[-12:])
-        raise SystemExit(f"{worker_name} failed:\n{tail}")
+    extra = [] if time_file is None else ["--time-file", str(time_file)]
+    bench_gpt.launch(__file__, ["--worker", worker_name, "--dir", str(folder), *bench_gpt.model_argv(args), *extra],
+                     nproc, worker_name, timeout=1800)
 
 
 def universal_params(folder: Path) -> set[str]:
@@ -166,10 +123,7 @@ def universal_params(folder: Path) -> set[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=512)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
+    bench_gpt.add_model_args(p)
     p.add_argument("--repeat", type=int, default=5, help="interleaved repeats after one warm-up")
     p.add_argument("--dir", default="/tmp/zs-bench-reshard")
     p.add_argument("--json", default=None, help="result file (default tools/results/bench_reshard.json)")
