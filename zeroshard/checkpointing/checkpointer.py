@@ -41,7 +41,6 @@ from zeroshard.format import CheckpointReader
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.peers import host_name
 from zeroshard.storage import Location
-from zeroshard.storage.owner import job_run_id
 
 if TYPE_CHECKING:
     from zeroshard.engine import ZeroEngine
@@ -62,7 +61,7 @@ class Checkpointer:
         self.tiers = tiers
         self.last_recovery = ""  # the log line of the last load with tiers: which tier and step, and why
         if tiers is not None:  # the memory tier (tiers.py): this node's folder, and every rank's node
-            where = gather_all((host_name(), tiers.domain_name(host_name()), tiers.job or job_run_id()), self.group,
+            where = gather_all((host_name(), tiers.domain_name(host_name()), tiers.named_job()), self.group,
                                action="setting up the memory tier")
             self._hosts, self._domains = [str(h) for h, _, _ in where], [str(d) for _, d, _ in where]
             if len({job for _, _, job in where}) > 1:  # checked together: every rank raises alike

@@ -89,11 +89,15 @@ class TierPolicy:
         """This node's failure domain (`node`: its name, the default when no domain is set)."""
         return self.domain or os.environ.get(DOMAIN_ENV) or node
 
+    def named_job(self) -> str | None:
+        """The job this process's memory tier belongs to: `job`, else torchrun's run id; None
+        when neither names it."""
+        return self.job or job_run_id()
+
     def job_name(self) -> str:
-        """The job this process's memory tier belongs to: `job`, else torchrun's run id. Refused
-        (ConfigError) without either: two jobs on one node would share a folder, and one job's
-        recovery or pruning could take or delete the other's checkpoints."""
-        name = self.job or job_run_id()
+        """named_job(), refused (ConfigError) when None: two jobs on one node would share a
+        folder, and one job's recovery or pruning could take or delete the other's checkpoints."""
+        name = self.named_job()
         if name is None:
             raise ConfigError("the memory tier needs to know which job it belongs to: launch with torchrun "
                               "--rdzv-id <id> (the same id when the job is relaunched) or set TierPolicy(job=...)")
