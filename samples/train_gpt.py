@@ -1,14 +1,15 @@
-"""Train the sample character-level GPT with zeroshard (ZeRO stages 0-3) on CPU ranks.
+"""Train the sample character-level GPT with zeroshard (ZeRO stages 0-3) on CPU ranks (or GPUs).
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 samples/train_gpt.py --stage 2 --steps 100
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 samples/train_gpt.py --stage 3 --ckpt runs/gpt
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 samples/train_gpt.py --stage 3 --ckpt runs/gpt \
         --resume --steps 200      # continue (at another world size if you like) to step 200
 
-`--steps` is the total number of optimizer steps; a resumed run continues from the step saved
-in the checkpoint (`--resume` alone: the latest in --ckpt; `--resume PATH`: that checkpoint). \
-Data depends only on (seed, step, --batch, --block-size), never on the
-world size or --grad-accum, so a resumed run sees the same stream of batches.
+On GPUs add `--device cuda` (NCCL, one GPU per rank). `--steps` is the total number of optimizer
+steps; a resumed run continues from the step saved in the checkpoint (`--resume` alone: the
+latest in --ckpt; `--resume PATH`: that checkpoint). Data depends only on (seed, step, --batch,
+--block-size), never on the world size or --grad-accum, so a resumed run sees the same stream of
+batches.
 
 With --ckpt DIR the script writes DIR/model_config.json (model config + vocabulary, for
 samples/generate.py) and calls engine.save_checkpoint(DIR, client_state=...) every
@@ -46,6 +47,8 @@ MODEL_CONFIG_FILE = "model_config.json"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo on CPU ranks; cuda: NCCL, one GPU per rank (torchrun's LOCAL_RANK)")
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--steps", type=int, default=300, help="total optimizer steps (including resumed ones)")
@@ -82,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def init_distributed() -> None:
-    """Join the torchrun process group (gloo); a plain `python` run becomes a 1-rank group."""
+def init_distributed(backend: str = "gloo") -> None:
+    """Join the torchrun process group; a plain `python` run becomes a 1-rank group."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -92,7 +95,9 @@ def init_distributed() -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend="gloo")
+    if backend == "nccl":  # one GPU per rank, before the group binds to a device
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend)
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -123,7 +128,7 @@ def format_memory(reports: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    init_distributed()
+    init_distributed("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
@@ -219,7 +224,8 @@ def main(argv=None) -> int:
 
     first_loss = last_loss = None
     step_times: list[float] = []
-    window_t0, window_steps, window_loss = time.perf_counter(), 0, torch.zeros(())
+    zeros = lambda: torch.zeros((), device=engine.device)  # noqa: E731  (NCCL reduces GPU tensors)
+    window_t0, window_steps, window_loss = time.perf_counter(), 0, zeros()
     t_train0 = time.perf_counter()
     while sampler.step < args.steps:
         step = sampler.step + 1  # the optimizer step this iteration completes
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         micro_losses, mem = [], None
         for x, y in sampler.next_step():
+            x, y = x.to(engine.device), y.to(engine.device)
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
             if logging:  # after the last backward: gradients and optimizer state both held
@@ -248,7 +255,7 @@ def main(argv=None) -> int:
             elapsed = time.perf_counter() - window_t0
             log(f"step {step:5d} | loss {last_loss:.4f} | {window_steps * tokens_per_step / elapsed:8.0f} tok/s | "
                 f"{format_memory(reports)}")
-            window_t0, window_steps, window_loss = time.perf_counter(), 0, torch.zeros(())
+            window_t0, window_steps, window_loss = time.perf_counter(), 0, zeros()
         if ckpt is not None and step < args.steps:  # does what is due at this step, in the background
             ckpt.checkpoint(str(ckpt_dir), client_state=state_to_save())
         elif args.save_every and step % args.save_every == 0 and step < args.steps:
@@ -258,10 +265,11 @@ def main(argv=None) -> int:
     val_loss = None
     if args.eval_batches > 0:
         with torch.no_grad():
-            total = torch.zeros(())
+            total = zeros()
             for i in range(args.eval_batches):
                 x, y = get_batch(val_ids, i, args.batch, args.block_size, seed=args.seed,
                                  world_size=world, rank=rank)
+                x, y = x.to(engine.device), y.to(engine.device)
                 total += lm_loss(engine(x), y).float()
             dist.all_reduce(total)
             val_loss = total.item() / (world * args.eval_batches)

@@ -27,11 +27,12 @@ def test_dev_sh_gpu_prints_its_plan_and_runs_nothing_without_cuda(tmp_path: Path
                               capture_output=True, text=True, timeout=100,
                               env={**os.environ, "ZEROSHARD_GPU_PYTHON": sys.executable})
         assert proc.returncode == 0, proc.stderr
-        names = [s.name for s in gpu_suite.plan(sys.executable, 1, 3)]
+        names = [s.name for s in gpu_suite.plan(sys.executable, 1, gpu_suite.parse_args([]))]
         for i, name in enumerate(names, 1):
             assert f"  {i}. {name}:" in proc.stdout
         assert ("dry run" if extra else "no CUDA device visible") in proc.stdout
         assert "--device cuda" in proc.stdout and "tests/test_engine_gpu.py" in proc.stdout
+        assert "--install-check" in proc.stdout and "--readme-check" in proc.stdout
         assert not out.exists()  # nothing ran, nothing written
 
 

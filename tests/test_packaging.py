@@ -165,3 +165,15 @@ def test_the_s3_extra_against_moto(venv, tmp_path, s3_bucket):
     _run([cli, "consolidate", f"{s3_bucket}/ck", "out.safetensors", "-q"], cwd=tmp_path)
     _run([python, "-c", "from safetensors.torch import load_file; import torch;"
           "assert load_file('out.safetensors')['w'].equal(torch.arange(12.0).reshape(3, 4))"], cwd=tmp_path)
+
+
+def test_pyproject_builds_with_the_setuptools_a_cuda_environment_already_has() -> None:
+    """`pip install --no-build-isolation .` uses the environment's own setuptools. A PEP 639 license
+    string (`license = "Apache-2.0"`) needs setuptools >= 77; 65 refused it ("`project.license`
+    must be valid exactly by one definition"). [project] itself needs 61."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["build-system"]["requires"] == ["setuptools>=61"]
+    assert not isinstance(meta["project"].get("license"), str)
+    assert "license-files" not in meta["project"]  # PEP 639 too

@@ -3,7 +3,8 @@
     python tools/bench_checkpoint.py                 # small GPT (3.7M params), 2 ranks, ~3 min
     python tools/bench_checkpoint.py --n-layer 12 --n-embd 768 --vocab 50304   # GPT-2 small (124M)
 
-One `torchrun --nproc-per-node 2` (gloo, CPU) runs this file with `--worker`. Each rank holds a
+One `torchrun --nproc-per-node 2` (gloo, CPU; `--device cuda`: NCCL, state on the GPUs) runs this
+file with `--worker`. Each rank holds a
 zeroshard engine (ZeRO stage 3) and a PyTorch FSDP2 model (`fully_shard` per Block, then the
 root) of the same GPT, each with Adam state from one step. Then --repeats times (after --warmup
 repeats that are dropped), interleaved through tools/benchlib.py's rotation, every side runs once:
@@ -60,6 +61,8 @@ GB = 1e9
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks (world size)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo on CPU ranks; cuda: NCCL, one GPU per rank (LOCAL_RANK), model state on the GPU")
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="zeroshard ZeRO stage")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=256)
@@ -139,15 +142,19 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     import zeroshard
     from samples.gpt import GPT, GPTConfig, lm_loss
 
-    dist.init_process_group(backend="gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     scratch = Path(args.dir)
     mine = scratch / f"raw-rank{rank}.bin"
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
     runs: dict[str, list[float]] = {}
     nbytes: dict[str, int] = {}
     tuning: dict = {}
@@ -157,19 +164,25 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
             print(f"[bench rank0 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)  # NCCL reduces device tensors
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
     def total(n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
+        t = torch.tensor([n], dtype=torch.int64, device=device)
         dist.all_reduce(t)
         return int(t.item())
 
+    def sync() -> None:  # CUDA work is asynchronous: an operation's time ends when its kernels do
+        if cuda:
+            torch.cuda.synchronize(device)
+
     def timed(fn) -> tuple[float, object]:
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         out = fn()
+        sync()
         return slowest(time.perf_counter() - t0), out
 
     def record(op: str, seconds: float, n: int | None = None) -> None:
@@ -231,7 +244,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
         torch.manual_seed(1234)
         fsdp = GPT(cfg)
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))  # fully_shard moves the model onto the mesh's device
         for block in fsdp.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(fsdp, mesh=mesh)
@@ -288,10 +301,18 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         # async users do, so they cannot interleave with the training step's all-gathers
         ckpt_group = dist.new_group(backend="gloo")
         async_writer = dcp.FileSystemWriter(str(scratch / "dcp-async"), thread_count=threads["n"])
-        thread_stager = DefaultStager(StagingOptions(
-            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False))
+        # (on CUDA the process stager gets pinned buffers and non-blocking copies, DCP's recipe there;
+        # the thread stager stays unpinned: torch 2.11's pinned DefaultStager, reused, fails its second
+        # save with KeyError: <class 'type'> in _state_dict_stager.deepcopy_with_tensor_offload)
+        def new_thread_stager():
+            return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                use_async_staging=False, use_non_blocking_copy=False))
+        thread_stager = new_thread_stager()
+
+        def reusable_stager():  # on CUDA even the unpinned one fails when reused: a fresh one per save
+            return new_thread_stager() if cuda else thread_stager
         stager = None if args.no_dcp_process else DefaultStager(StagingOptions(
-            use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False))
+            use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda))
         process_writer = dcp.FileSystemWriter(str(scratch / "dcp-proc"), thread_count=threads["n"])
 
     # ---- the sides ----------------------------------------------------------------------------
@@ -329,6 +350,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         blocked, _ = timed(lambda: engine.save_checkpoint(str(zs_root), tag="async", async_save=True))
         t0 = time.perf_counter()
         engine.checkpointer.before_state_change()  # what a step issued at once copies (worst case)
+        sync()
         record("zs_async_cow", slowest(time.perf_counter() - t0))
         engine.wait()
         record("zs_async_blocked", blocked)
@@ -352,7 +374,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     def dcp_async_thread(rep: int) -> None:
         rm(scratch / "dcp-async")
         blocked, fut = timed(lambda: dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-async"),
-                                                    storage_writer=async_writer, async_stager=thread_stager,
+                                                    storage_writer=async_writer, async_stager=reusable_stager(),
                                                     process_group=ckpt_group))
         fut.result()
         record("dcp_async_thread_blocked", blocked)
@@ -384,6 +406,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
             if save is not None and i == args.loop_steps // 4:
                 pending = save()
             step()
+        sync()
         seconds = slowest(time.perf_counter() - t0)
         if pending is not None:
             pending()
@@ -395,7 +418,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
     def dcp_loop_save():
         fut = dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-loop"), storage_writer=async_writer,
-                             async_stager=thread_stager, process_group=ckpt_group)
+                             async_stager=reusable_stager(), process_group=ckpt_group)
         return fut.result
 
     def raw_load(rep: int, cold: bool = False) -> None:
@@ -464,7 +487,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "n_params": n_params, "world_size": world, "stage": args.stage, "runs": runs, "bytes": nbytes,
-            "dcp_tuning": tuning, "profile": profile}))
+            "dcp_tuning": tuning, "profile": profile,
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -499,8 +523,8 @@ def _profile(engine, zs_root: Path, rank: int, dist) -> dict:
 def launch(args: argparse.Namespace, scratch: Path, can_drop: bool) -> dict:
     out = scratch / "result.json"
     forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-               if k in ("stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch", "repeats",
-                        "warmup", "tune_runs", "loop_steps", "slow_fsync")]
+               if k in ("device", "stage", "n_layer", "n_embd", "n_head", "vocab", "block_size", "seq", "batch",
+                        "repeats", "warmup", "tune_runs", "loop_steps", "slow_fsync")]
     forward += [f"--{k.replace('_', '-')}" for k in ("no_dcp", "no_dcp_process", "profile") if getattr(args, k)]
     forward += ["--can-drop"] if can_drop else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -536,9 +560,12 @@ LABELS = {
 def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Report:
     w = args.warmup
     runs = {k: v[w:] for k, v in res["runs"].items()}
-    scope = (f"CPU, gloo, world {res['world_size']}, {benchlib.machine()['cores']} vCPUs, GPT {args.n_layer}L/"
+    where = (f"CUDA ({res.get('device')}), NCCL" if args.device == "cuda" else "CPU, gloo")
+    state = "state in GPU memory, local disk" if args.device == "cuda" else \
+        "state in host memory, write-cached virtual disk"
+    scope = (f"{where}, world {res['world_size']}, {benchlib.machine()['cores']} vCPUs, GPT {args.n_layer}L/"
              f"{args.n_embd}d vocab {args.vocab} = {res['n_params'] / 1e6:.1f}M params + Adam fp32, stage "
-             f"{res['stage']}, state in host memory, write-cached virtual disk")
+             f"{res['stage']}, {state}")
     rep = benchlib.Report("bench_checkpoint", vars(args), scope, cache=cache)
     for k, label in LABELS.items():
         if k in runs:
@@ -584,7 +611,9 @@ def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Re
                  f"DefaultStager (caches its staging buffers; cache_staged_state_dict=True pins memory, which "
                  f"fails on a CPU-only machine) reused for every save. Async process: "
                  f"AsyncCheckpointerType.PROCESS with a reused "
-                 f"DefaultStager(use_async_staging=True, use_shared_memory=True; pinned memory off: CPU).")
+                 f"DefaultStager(use_async_staging=True, use_shared_memory=True"
+                 + ("; pinned memory and non-blocking copies: CUDA)." if args.device == "cuda"
+                    else "; pinned memory off: CPU)."))
     rep.data["bytes"] = b
     rep.data["n_params"] = res["n_params"]
     if res.get("profile"):

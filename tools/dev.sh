@@ -76,6 +76,11 @@ gpu() {
     if [ ! -x "$gvenv/bin/python" ]; then
         echo "== set-up: $gvenv over $sys_py's packages (its CUDA torch)"
         "$sys_py" -m venv --system-site-packages "$gvenv"
+        # A venv made from a venv sees the base interpreter's packages, not its parent venv's
+        # (where a CUDA image keeps torch): a .pth file adds the parent's site-packages after ours.
+        local purelib
+        purelib=$("$gvenv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$sys_py" -c 'import site; print("\n".join(site.getsitepackages()))' > "$purelib/zz-parent-env.pth"
     fi
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$gvenv/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl
