@@ -3,6 +3,11 @@ temp names leftovers.py recognises, exclusive creation with deferred durability,
 reads that decline rather than fail."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from zeroshard.storage.leftovers import find_leftovers
 from zeroshard.storage.location import Location, is_temp_name
@@ -42,3 +47,34 @@ def test_read_whole_into_declines_remote_files():
     remote = Location.__new__(Location)
     remote.local = False  # no network needed: the local fast path is simply not taken
     assert not Location.read_whole_into(remote, "f", memoryview(bytearray(1)))
+
+
+KILLED_CREATE = """
+import os, signal, sys
+from zeroshard.storage.location import Location
+loc = Location(sys.argv[1])
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+setattr(os, sys.argv[2], die)  # the process dies at this call, as under a node's SIGKILL
+loc.create_exclusive("claim.json", b'{"owner": "a", "time": 1}')
+"""
+
+
+@pytest.mark.parametrize("dies_at", ["write", "fsync", "link"])
+def test_a_durable_create_killed_half_way_leaves_no_torn_file(tmp_path: Path, dies_at: str) -> None:
+    """Claims and the memory tier's owner file are read by other processes: killed between its
+    create and its write, the old O_EXCL create left an empty claim.json that every later writer
+    took for a live claim (or an unreadable owner) until someone removed it by hand."""
+    proc = subprocess.run([sys.executable, "-c", KILLED_CREATE, str(tmp_path), dies_at], timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == -9
+    assert not (tmp_path / "claim.json").exists()
+    left = os.listdir(tmp_path)
+    assert len(left) == 1 and is_temp_name(left[0])  # what `zeroshard clean` removes: a dead writer's temp
+    [found] = find_leftovers(Location(tmp_path))
+    assert found.kind == "temp file" and found.alive is False
+    loc = Location(tmp_path)
+    assert loc.create_exclusive("claim.json", b"whole")
+    assert (tmp_path / "claim.json").read_bytes() == b"whole"
+    assert not loc.create_exclusive("claim.json", b"again")  # still exclusive
+    assert sorted(os.listdir(tmp_path)) == sorted([*left, "claim.json"])  # no temp of its own left

@@ -88,7 +88,7 @@ class MemoryFolder:
                 return None  # removed meanwhile
             if data:
                 break
-            time.sleep(0.05)  # created, its bytes not written yet (create_exclusive): a claim in flight
+            time.sleep(0.05)  # a claim in flight: created, not yet written (only where no hard links)
         try:
             job = json.loads(data)["job"] if len(data) <= OWNER_MAX_BYTES else None
         except (ValueError, TypeError, KeyError):

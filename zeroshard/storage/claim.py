@@ -72,7 +72,7 @@ def take_claim(location: Location, what: str = "output", *, job_scoped: bool = F
         if holder.get("nonce") == nonce:  # our PUT landed, its answer was lost, and the retry was refused
             return Claim(location, nonce)
         if not holder and location.exists(CLAIM_NAME) and not location.is_link(CLAIM_NAME):
-            time.sleep(0.05)  # being written by its creator right now: look again
+            time.sleep(0.05)  # being written by its creator (only where no hard links): look again
             holder = read_claim(location)
         age = time.time() - holder["time"] if isinstance(holder.get("time"), (int, float)) else 0.0
         alive = owner_alive(str(holder.get("owner", "")))

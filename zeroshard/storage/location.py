@@ -16,6 +16,7 @@ most `zeroshard_retry_s` seconds (s3_retry.py), so a lost network ends a command
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import posixpath
@@ -258,9 +259,12 @@ class Location:
             out.write(data)
 
     def create_exclusive(self, name: str, data: bytes | memoryview, durable: bool = True) -> bool:
-        """Create `name` holding `data` only if it does not exist; False if it does. Atomic:
-        O_CREAT|O_EXCL locally, a conditional PUT (If-None-Match: *) on S3. durable=False skips
-        the fsyncs (for temp files synced later, together: see fsync)."""
+        """Create `name` holding `data` only if it does not exist; False if it does. Atomic: a
+        conditional PUT (If-None-Match: *) on S3; locally a durable create writes a temp file and
+        hard-links it to `name` (exclusive, like O_EXCL), so a process killed half-way leaves a temp
+        file, never an empty or torn `name` that other processes would read as a claim or an owner.
+        durable=False (temp files synced later, together: see fsync) creates `name` with O_EXCL and
+        writes it in place, without the fsyncs."""
         path = self.full_path(name)
         with storage_errors(self.url_of(name)):
             if not self.local:
@@ -269,19 +273,16 @@ class Location:
                 except FileExistsError:
                     return False
                 return True
-            flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            if durable:
+                linked = self._link_exclusive(name, data)
+                if linked is not None:
+                    return linked
             try:
-                try:
-                    fd = os.open(path, flags, 0o644)
-                except FileNotFoundError:  # no folder yet: made only then (packed.py creates 1,000s)
-                    self.makedirs()
-                    fd = os.open(path, flags, 0o644)
+                fd = self._open_exclusive(path)
             except FileExistsError:
                 return False
             try:
-                view = memoryview(data).cast("B")
-                while view:  # a write may be partial
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)
                 if durable:
                     os.fsync(fd)
             except BaseException:
@@ -293,6 +294,39 @@ class Location:
             if durable:
                 _fsync_dir(self.path)
             return True
+
+    def _open_exclusive(self, path: str) -> int:
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:  # no folder yet: made only then (packed.py creates 1,000s)
+            self.makedirs()
+            return os.open(path, flags, 0o644)
+
+    def _link_exclusive(self, name: str, data: bytes | memoryview) -> bool | None:
+        """The durable local create: `data` into a synced temp file, then link(temp, name), which
+        fails if `name` exists. None where the filesystem has no hard links (then O_EXCL)."""
+        temp = self.full_path(self.temp_name(name))
+        fd = self._open_exclusive(temp)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(temp, self.full_path(name))
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+                    return None
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        _fsync_dir(self.path)
+        return True
 
     def move_into(self, name: str, dest: "Location") -> None:
         """Move file `name` from this folder to the same name in `dest` (same filesystem):
@@ -556,6 +590,12 @@ class AtomicWriter:
             elif self._file is not None:
                 self._file.discard()
                 self._file.closed = True  # nothing left to flush; stops __del__ from uploading
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:  # a write may be partial
+        view = view[os.write(fd, view):]
 
 
 def _fsync_dir(path: str) -> None:
