@@ -480,9 +480,10 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
     OUT may be local or s3:// (--storage-option applies to both).
     """
     from zeroshard.interop.deepspeed_ckpt import read_deepspeed
-    from zeroshard.interop.write import check_world_size, write_imported
+    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
+    release_large_blocks()  # this process only imports: freed windows go back to the system
     imported = read_deepspeed(src, storage_options)  # SRC may be s3:// (the same storage options as OUT)
     _report_import(write_imported(imported, out, world_size, tag="deepspeed", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
@@ -508,9 +509,10 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     parameter unless --buffers names it. SRC and OUT may be local or s3://.
     """
     from zeroshard.interop.dcp_import import read_dcp
-    from zeroshard.interop.write import check_world_size, write_imported
+    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
 
     check_world_size(world_size)  # before anything is read or touched
+    release_large_blocks()  # this process only imports: freed windows go back to the system
     imported = read_dcp(src, buffers, storage_options)  # SRC may be s3:// (the same storage options as OUT)
     _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)

@@ -25,11 +25,13 @@ from zeroshard.storage.safetensors_header import dtype_name
 WINDOW_BYTES = 32 << 20  # the most of one tensor read and held at once while writing
 
 
-def _release_large_blocks() -> None:
+def release_large_blocks() -> None:
     """Have glibc serve blocks of 4 MiB and more by mmap, handed back to the system when freed.
     Its default raises that threshold to 32 MiB once such a block is freed, and the windows
     of a streaming import then pile up in the heap as free but resident memory (measured: peak
-    RSS 722 MiB instead of 305 importing 0.5 GiB of DCP). Not glibc: nothing to do."""
+    RSS 722 MiB instead of 305 importing 0.5 GiB of DCP). Not glibc: nothing to do. Process-wide
+    and for good, so only the `zeroshard import` commands call it, never write_imported itself: a
+    training process that imports through the Python API keeps its allocator as it was."""
     import ctypes
     import ctypes.util
 
@@ -58,7 +60,6 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     import torch
 
     check_world_size(world_size)
-    _release_large_blocks()
     world = world_size or imp.world_size
     specs: list[TensorSpec] = []
     data: dict[str, Any] = {}
