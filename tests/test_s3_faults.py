@@ -288,3 +288,17 @@ def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_clien
     assert result.exit_code == 0, result.output
     assert lost and sum(1 for r in proxy.requests if r[0] == "PUT" and r[1] in lost) >= 2  # it was retried
     assert "out/.zeroshard-claim" not in objects(s3_client, bucket, "out/")
+
+
+def test_a_failed_fresh_output_leaves_no_files_behind(proxy, old_output, s3_client):
+    """A new S3 output is written in place (no stage to drop): when one rank file's upload fails,
+    the rank files that did complete are removed with the claim, rather than left without a
+    manifest until `zeroshard clean`."""
+    ckpt, _, bucket, _ = old_output
+    fresh = f"s3://{bucket}/fresh"
+    proxy.rule = lambda m, p, q: ("drop", 100) if m == "PUT" and "rank-00002" in p else None
+    result = CliRunner().invoke(main, ["reshard", "-q", str(ckpt), "--to", "3", "-o", fresh, *via(proxy, 1.0)])
+    one_line_failure(result, fresh)
+    assert any("rank-00000" in r[1] for r in proxy.requests if r[0] == "PUT"), "no other rank file was written"
+    assert objects(s3_client, bucket, "fresh/") == {}
+    assert pending(s3_client, bucket) == []

@@ -84,7 +84,14 @@ class PreparedOutput:
     def abandon(self) -> None:
         """Drop the new files (the old output was never touched) and the claim. Once the swap has
         begun, the stage is kept instead: with the files already moved up it is the new output,
-        and `zeroshard clean` reports it rather than removing it."""
+        and `zeroshard clean` reports it rather than removing it. An unstaged output (remote, and
+        empty when claimed) has its files written in place without a commit file: they are
+        removed, so a failed fresh S3 write leaves nothing behind but what it never wrote."""
+        if not self.staged and not self.previous:
+            with contextlib.suppress(Exception):  # best effort: without their commit file they are no output
+                for name in self.target.list():
+                    if name != CLAIM_NAME and not is_temp_name(name):  # a live writer's temps stay
+                        self.target.remove(name, recursive=True)
         self._finish(keep_stage=self.swapping)
 
     def _finish(self, keep_stage: bool = False) -> None:
