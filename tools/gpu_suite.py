@@ -13,7 +13,8 @@ On a machine without CUDA the plan is printed and nothing runs (exit 0). The ste
    with the installed package: 6 steps, then resumed to 12, then `zeroshard verify` and
    `zeroshard consolidate` of what it saved;
 4. sample: samples/train_gpt.py --device cuda (bf16, stage 3, checkpoints), resumed, then the
-   checkpoint resharded to another world size and consolidated with the installed CLI;
+   checkpoint resharded to another world size and consolidated with the installed CLI; then with
+   the memory tier (--memory-every): its newest memory checkpoint verified, the run relaunched;
 5. GPU tests: tests/test_engine_gpu.py on NCCL (every stage's parity with a single-process run,
    bf16 at stage 3, offload_optimizer into pinned host memory) and the pinned host tier of
    parameter offload; pass/fail counts from JUnit XML;
@@ -244,11 +245,22 @@ def sample_check(nproc: int, device: str = "cuda") -> dict:
         _run([_cli(), "verify", str(cwd / "gpt-4")], cwd)
         _run([_cli(), "consolidate", ckpt, str(cwd / "gpt.safetensors")], cwd)
         shutil.rmtree(cwd / "gpt-4")
+        # the memory tier with GPU-resident state: memory checkpoints every 5 steps, drained every
+        # 20; what it holds verifies, and the relaunch (same job: named by --ckpt) recovers
+        tier = [*common, "--memory-every", "5", "--memory-dir", str(cwd / "shm")]
+        tier[tier.index(ckpt)] = str(cwd / "gpt-tier")
+        _run(_torchrun(nproc, sample, *tier, "--steps", "25"), cwd)
+        held = sorted(str(m.parent) for m in (cwd / "shm").glob("*/*/zeroshard.json"))
+        if not held:
+            raise SystemExit(f"no committed memory checkpoint under {cwd / 'shm'}")
+        _run([_cli(), "verify", held[-1]], cwd)
+        out3 = _run(_torchrun(nproc, sample, *tier, "--steps", "30", "--resume"), cwd)
 
     def last(out: str, word: str) -> str:
         return next((ln for ln in reversed(out.splitlines()) if word in ln), "")
     return {"first": last(out1, "done:"), "resumed": last(out2, "resumed from"), "end": last(out2, "done:"),
-            "losses": last(out2, "train loss")}
+            "losses": last(out2, "train loss"),
+            "memory_tier": f"{len(held)} memory checkpoints, newest verified; " + last(out3, "recovered from")}
 
 
 def markdown(steps: list[Step], header: str) -> str:
