@@ -63,19 +63,29 @@ class BackgroundSave:
         for name, copy in zip(now, eager.take([contents.held[n].tensor for n in now])):
             contents.held[name] = Held(copy, contents.held[name].start)
         self._live = [name for name in contents.held if name in live]
+        self._live_set = set(self._live)
 
     def fill(self, spec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
-        """The writer's callback (background thread): one tensor at a time, under the lock."""
+        """The writer's callback (background thread): one tensor at a time. A tensor read in
+        place is written under the lock, so detach() cannot swap it out half-way; a copy is not."""
+        if spec.name not in self._live_set:
+            self.contents.fill(spec, start, end, write)
+            return
         with self._lock:
             self.contents.fill(spec, start, end, write)
             self._written.add(spec.name)
 
     def detach(self) -> None:
         """Before the engine's state changes (training thread): copy what is not written yet.
-        Waits for the tensor being written, if any; a no-op after the first call."""
+        Waits for the tensor being written only if it is read in place; a no-op after the first
+        call, and when everything was copied at the start (state on a GPU). Every optimizer step
+        calls this while a save is in flight: it must not wait on the writer's I/O needlessly."""
+        if self._detached:  # set by the training thread only, so read here without the lock
+            return
+        if not self._live:
+            self._detached = True
+            return
         with self._lock:
-            if self._detached:
-                return
             self._detached = True
             rest = [name for name in self._live if name not in self._written]
             held = self.contents.held
