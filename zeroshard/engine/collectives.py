@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.comm_ledger import LEDGER
-from zeroshard.engine.layout import ParamShard, rows_to_flat
+from zeroshard.engine.layout import ParamShard, rows_to_flat_pairs
 from zeroshard.peers import record_hosts
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -92,9 +92,11 @@ class Gather:
         """Wait, then write each shard's full tensor into its target (None: skip that shard)."""
         self.wait()
         rows = self.out.view(-1, self.total) if self.total else None
-        for shard, offset, target in zip(self.shards, self.offsets, targets):
-            if target is not None and shard.chunk:
-                rows_to_flat(rows[:, offset: offset + shard.chunk], target.view(-1))
+        pairs = [pair for shard, offset, target in zip(self.shards, self.offsets, targets)
+                 if target is not None and shard.chunk
+                 for pair in rows_to_flat_pairs(rows[:, offset: offset + shard.chunk], target.view(-1))]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, group: Any,
@@ -114,9 +116,14 @@ def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, g
     if fill is not None:
         fill(shards, targets)
     else:
-        for s, t in zip(shards, targets):
-            # From pinned host memory this is asynchronous, ordered before the collective.
-            t.copy_(s.master, non_blocking=s.master.is_pinned())
+        # From pinned host memory this is asynchronous, ordered before the collective.
+        masters = [s.master for s in shards]
+        pinned = [m.is_pinned() for m in masters]
+        if masters and all(p == pinned[0] for p in pinned):
+            torch._foreach_copy_(targets, masters, non_blocking=pinned[0])
+        else:
+            for m, t, p in zip(masters, targets, pinned):
+                t.copy_(m, non_blocking=p)
     out = torch.empty(world * total, dtype=dtype, device=device)
     work = all_gather(out, inp, group, async_op=async_op) if total else None
     return Gather(list(shards), offsets, total, out, work if async_op else None)

@@ -279,9 +279,9 @@ class ZeroEngine:
         coef = 1.0 / scale
         if clip > 0 or self.scaler.enabled:
             # One number serves both: the global norm, and (non-finite) the fp16 overflow flag.
-            sq = torch.zeros((), dtype=torch.float32, device=self.master_device)
-            for g in grads:
-                sq += g.pow(2).sum()
+            # per-tensor norms in one call (as clip_grad_norm_), not three kernels per tensor
+            sq = (torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads
+                  else torch.zeros((), dtype=torch.float32, device=self.master_device))
             if self.shard_world_size > 1:
                 sq = sq.to(self.device)  # offloaded grads: the norm is summed on the host, reduced here
                 all_reduce(sq, self.group)

@@ -142,13 +142,23 @@ def flat_to_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
 
 def rows_to_flat(rows: torch.Tensor, flat: torch.Tensor) -> None:
     """Inverse of flat_to_rows: the first flat.numel() elements of the [world, chunk] block."""
+    pairs = rows_to_flat_pairs(rows, flat)
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def rows_to_flat_pairs(rows: torch.Tensor, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """rows_to_flat's copies as (destination, source) views, for one _foreach_copy_ over many
+    tensors (a GPU step launches kernels per call, not per element)."""
     world, chunk = rows.shape
     if chunk == 0:
-        return
+        return []
     numel = flat.numel()
     full = min(numel // chunk, world)
+    pairs = []
     if full:
-        flat[: full * chunk].view(full, chunk).copy_(rows[:full])
+        pairs.append((flat[: full * chunk].view(full, chunk), rows[:full]))
     rem = numel - full * chunk
     if rem:
-        flat[full * chunk:].copy_(rows[full, :rem])
+        pairs.append((flat[full * chunk:], rows[full, :rem]))
+    return pairs

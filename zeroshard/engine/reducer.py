@@ -152,14 +152,26 @@ class GradReducer:
             for bucket in self.buckets[self._done: end]:
                 if bucket.work is not None:
                     bucket.work.wait()
+                # the bucket cast and scaled at once (a GPU step launches kernels per call, not
+                # per element); each shard's gradient is its slice of that fresh fp32 tensor
+                whole = bucket.out.to(torch.float32, copy=True)
+                if scale != 1.0:
+                    whole.mul_(scale)
+                on = {whole.device: whole}  # offloaded masters: the gradients go down together
+                new, acc, parts = [], [], []
                 for s, offset in zip(bucket.shards, bucket.offsets):
-                    part = bucket.out[offset: offset + s.chunk].to(torch.float32) * scale
-                    if part.device != s.master.device:
-                        part = part.to(s.master.device)  # offloaded: the shard's gradient goes down
+                    if s.master.device not in on:
+                        on[s.master.device] = whole.to(s.master.device)
+                    part = on[s.master.device][offset: offset + s.chunk]
                     if s.master.grad is None:
-                        s.master.grad = part
+                        new.append((s, part))
                     else:
-                        s.master.grad.add_(part)
+                        acc.append(s.master.grad)
+                        parts.append(part)
+                for s, part in new:
+                    s.master.grad = part
+                if acc:
+                    torch._foreach_add_(acc, parts)
                 self.held -= sum(t.numel() * t.element_size()
                                  for t in {id(t): t for t in (bucket.buf, bucket.out)}.values())
                 bucket.buf = bucket.out = bucket.work = None
