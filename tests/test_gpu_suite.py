@@ -43,7 +43,7 @@ def test_report_is_made_from_a_real_benchmark_run(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train.py"), "--device", "cpu",
                            "--methods", "ddp,zs1", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
                            "--block-size", "8", "--batch", "2", "--steps", "2", "--warmup", "2",
-                           "--json", str(result)], capture_output=True, text=True, timeout=550,
+                           "--rounds", "1", "--json", str(result)], capture_output=True, text=True, timeout=550,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     bench = json.loads(result.read_text())

@@ -285,8 +285,9 @@ def _verify(ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stage, async_save, committed", [(1, "0", "step-00000004"), (1, "1", "step-00000002"),
-                                                         (3, "0", "step-00000004"), (3, "1", "step-00000002")])
+# Stage x save mode, split between this test and the next so that each of the four pairs runs
+# once (each case is a 2-node job killed and relaunched three times: ~75-100 s of CI each).
+@pytest.mark.parametrize("stage, async_save, committed", [(1, "0", "step-00000004"), (3, "1", "step-00000002")])
 def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resumes_exactly(
         tmp_path, reference_losses, stage, async_save, committed):
     """Node B (without rank 0) dies 0.3 s after the save of step 4 returned: inside that save when
@@ -316,8 +317,7 @@ def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resum
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage, async_save, committed, interrupted",
-                         [(1, "0", "step-00000004", "step-00000006"), (1, "1", "step-00000002", "step-00000004"),
-                          (3, "0", "step-00000004", "step-00000006"), (3, "1", "step-00000002", "step-00000004")])
+                         [(1, "1", "step-00000002", "step-00000004"), (3, "0", "step-00000004", "step-00000006")])
 def test_a_replaced_rank_0_node_saves_the_interrupted_tag_again_and_goes_on_exactly(
         tmp_path, reference_losses, stage, async_save, committed, interrupted):
     """The node holding rank 0 dies inside a save, leaving its claim: the async save of step 4, or
