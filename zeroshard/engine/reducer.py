@@ -158,18 +158,16 @@ class GradReducer:
                 if scale != 1.0:
                     whole.mul_(scale)
                 on = {whole.device: whole}  # offloaded masters: the gradients go down together
-                new, acc, parts = [], [], []
+                acc, parts = [], []
                 for s, offset in zip(bucket.shards, bucket.offsets):
                     if s.master.device not in on:
                         on[s.master.device] = whole.to(s.master.device)
                     part = on[s.master.device][offset: offset + s.chunk]
                     if s.master.grad is None:
-                        new.append((s, part))
+                        s.master.grad = part
                     else:
                         acc.append(s.master.grad)
                         parts.append(part)
-                for s, part in new:
-                    s.master.grad = part
                 if acc:
                     torch._foreach_add_(acc, parts)
                 self.held -= sum(t.numel() * t.element_size()

@@ -306,6 +306,8 @@ class Location:
     def _link_exclusive(self, name: str, data: bytes | memoryview) -> bool | None:
         """The durable local create: `data` into a synced temp file, then link(temp, name), which
         fails if `name` exists. None where the filesystem has no hard links (then O_EXCL)."""
+        if os.path.lexists(self.full_path(name)):  # the common refusal (an owner file on every
+            return False  # memory save) costs no temp file and no fsync; link() still decides races
         temp = self.full_path(self.temp_name(name))
         fd = self._open_exclusive(temp)
         try:
