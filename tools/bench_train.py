@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds-python", default=sys.executable,
                    help="Python interpreter (with deepspeed and torch) for the DeepSpeed rows")
     p.add_argument("--json", default=None, help="result file (default tools/results/bench_train.json)")
+    p.add_argument("--profile", default="",
+                   help="folder: after the timed steps, rank 0 profiles 3 more (torch.profiler, CPU and CUDA) "
+                        "and writes <method>.txt there: kernel time against wall time, and the top operations")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -316,6 +319,15 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(lt)
         losses.append(lt.item() / world)
 
+    if args.profile:
+        def one_step(s: int) -> None:
+            x, y = get_batch(train_ids, s, args.batch, args.block_size, seed=args.seed, world_size=world, rank=rank)
+            x, y = x.to(device), y.to(device)
+            backward(lm_loss(forward(x), y))
+            step()
+
+        profile_steps(one_step, args.warmup + args.steps, Path(args.profile) / f"{method}.txt", rank, cuda, sync)
+
     med = torch.tensor(statistics.median(times), device=device)
     meds = [torch.zeros((), device=device) for _ in range(world)]
     dist.all_gather(meds, med)
@@ -331,6 +343,32 @@ def worker(args: argparse.Namespace) -> None:
         }))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def profile_steps(one_step, first: int, out: Path, rank: int, cuda: bool, sync, n: int = 3) -> None:
+    """Profile n steps (every rank runs them, rank 0 records): where a step's wall time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for s in range(first, first + n):
+            one_step(s)
+        sync()
+        wall = time.perf_counter() - t0
+    if rank != 0:
+        return
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    syncs = {e.key: e.count for e in events if "Synchronize" in e.key or "Memcpy" in e.key or "item" in e.key}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out.write_text(
+        f"{n} steps: wall {1000 * wall / n:.2f} ms/step, device (kernel) time {kernel_us / 1000 / n:.2f} ms/step, "
+        f"operations {sum(e.count for e in events) / n:.0f}/step\nsync-like calls: {syncs}\n\n"
+        + events.table(sort_by=by, row_limit=35) + "\n\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
 
 
 # ----------------------------------------------------------------------------- parent
@@ -353,7 +391,7 @@ def launch(method: str, args: argparse.Namespace, python: str) -> dict:
         out = Path(tmp) / "result.json"
         forward = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("n_layer", "n_embd", "n_head", "block_size", "batch", "steps", "warmup",
-                            "lr", "grad_clip", "dtype", "seed", "device", "ddp_bucket_mb")]
+                            "lr", "grad_clip", "dtype", "seed", "device", "ddp_bucket_mb", "profile")]
         cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                f"--master-port={free_port()}", str(Path(__file__).resolve()),
                "--worker", method, "--out", str(out), *forward]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zeroshard.bucketing import greedy_groups
 from zeroshard.engine.comm_ledger import LEDGER
-from zeroshard.engine.layout import ParamShard, rows_to_flat_pairs
+from zeroshard.engine.layout import ParamShard, column_pairs
 from zeroshard.peers import record_hosts
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -91,10 +91,10 @@ class Gather:
     def copy_out(self, targets: Sequence[torch.Tensor | None]) -> None:
         """Wait, then write each shard's full tensor into its target (None: skip that shard)."""
         self.wait()
-        rows = self.out.view(-1, self.total) if self.total else None
-        pairs = [pair for shard, offset, target in zip(self.shards, self.offsets, targets)
-                 if target is not None and shard.chunk
-                 for pair in rows_to_flat_pairs(rows[:, offset: offset + shard.chunk], target.view(-1))]
+        if not self.total:
+            return
+        pairs = column_pairs(self.out.view(-1, self.total), [s.chunk for s in self.shards],
+                             [None if t is None else t.view(-1) for t in targets])
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
@@ -112,13 +112,14 @@ def start_gather(shards: Sequence[ParamShard], dtype: torch.dtype, world: int, g
     if device is None:
         device = shards[0].master.device if shards else torch.device("cpu")
     inp = torch.empty(total, dtype=dtype, device=device)
-    targets = [inp[offset: offset + s.chunk] for s, offset in zip(shards, offsets)]
+    targets = list(inp.split([s.chunk for s in shards]))
     if fill is not None:
         fill(shards, targets)
     else:
-        # From pinned host memory this is asynchronous, ordered before the collective.
+        # From pinned host memory this is asynchronous, ordered before the collective. Masters
+        # beside the buffer need no pinning check (one dispatcher call per tensor per step).
         masters = [s.master for s in shards]
-        pinned = [m.is_pinned() for m in masters]
+        pinned = [m.device != device and m.is_pinned() for m in masters]
         if masters and all(p == pinned[0] for p in pinned):
             torch._foreach_copy_(targets, masters, non_blocking=pinned[0])
         else:

@@ -7,7 +7,8 @@ so every rank's chunk has the same size and collectives need no uneven variants.
 
 Collective buffers put rank r's chunks in row r: a bucket of params with chunks c1, c2, ... is a
 [world, c1 + c2 + ...] tensor; param i occupies columns [offset_i, offset_i + c_i) of every row.
-`flat_to_rows` / `rows_to_flat` move a whole (unpadded) tensor in and out of such a column block.
+`rows_to_flat` moves a whole (unpadded) tensor out of such a column block; `column_pairs` pairs a
+bucket's tensors with their blocks, for one `_foreach_copy_` either way.
 """
 
 from __future__ import annotations
@@ -122,26 +123,8 @@ def set_fragment(master: torch.Tensor, values: torch.Tensor, owned: int) -> None
     master[owned:].zero_()
 
 
-def flat_to_rows(flat: torch.Tensor, rows: torch.Tensor) -> None:
-    """Scatter a whole tensor's flat elements into a [world, chunk] column block, zero-padding."""
-    world, chunk = rows.shape
-    if chunk == 0:
-        return
-    numel = flat.numel()
-    full = min(numel // chunk, world)
-    if full:
-        rows[:full].copy_(flat[: full * chunk].view(full, chunk))
-    rem = numel - full * chunk
-    if rem:
-        rows[full, :rem].copy_(flat[full * chunk:])
-        rows[full, rem:].zero_()
-        full += 1
-    if full < world:
-        rows[full:].zero_()
-
-
 def rows_to_flat(rows: torch.Tensor, flat: torch.Tensor) -> None:
-    """Inverse of flat_to_rows: the first flat.numel() elements of the [world, chunk] block."""
+    """The first flat.numel() elements of a [world, chunk] column block, into `flat`."""
     pairs = rows_to_flat_pairs(rows, flat)
     for dst, src in pairs:
         dst.copy_(src)
@@ -161,4 +144,22 @@ def rows_to_flat_pairs(rows: torch.Tensor, flat: torch.Tensor) -> list[tuple[tor
     rem = numel - full * chunk
     if rem:
         pairs.append((flat[full * chunk:], rows[full, :rem]))
+    return pairs
+
+
+def column_pairs(rows: torch.Tensor, chunks: list[int],
+                 flats: list[torch.Tensor | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(flat part, its rows) view pairs of a bucket's [world, sum(chunks)] buffer, one column
+    block per chunk, for one `_foreach_copy_` either way; a None flat is skipped. [Note: views per
+    step] A GPU step of a small model is bound by Python and dispatch: the blocks come from one
+    split, and a tensor that fills its block exactly (no padding: the common case) is one view."""
+    world = rows.shape[0]
+    pairs = []
+    for block, chunk, flat in zip(rows.split(chunks, dim=1), chunks, flats):
+        if flat is None or chunk == 0:
+            continue
+        if flat.numel() == world * chunk:
+            pairs.append((flat.view(world, chunk), block))
+        else:
+            pairs.extend(rows_to_flat_pairs(block, flat))
     return pairs
