@@ -13,7 +13,6 @@ resumes exactly: interrupted and resumed, it ends where an uninterrupted run end
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,22 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!-- runnable(?::\s*torchrun (\d+))?\s*-->\s*$")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def runnable_blocks(path: Path) -> list[tuple[int, int, str]]:
-    """(line, ranks, code) of each marked python block; ranks 0 means plain python."""
-    lines = path.read_text().splitlines()
-    blocks = []
-    for i, line in enumerate(lines[:-1]):
-        m = MARKER.match(line.strip())
-        if not m:
-            continue
-        assert lines[i + 1].strip() == "```python", f"{path.name}:{i + 1}: a runnable marker must precede ```python"
-        end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
-        blocks.append((i + 1, int(m.group(1) or 0), "\n".join(lines[i + 2:end]) + "\n"))
-    return blocks
+sys.path.insert(0, str(ROOT / "tools"))
+from runnable_blocks import runnable_blocks  # noqa: E402  (shared with tools/gpu_suite.py)
 
 
 def run_block(code: str, ranks: int, cwd: Path, env_extra: dict[str, str] | None = None,

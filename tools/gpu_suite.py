@@ -40,7 +40,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -53,6 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from runnable_blocks import runnable_blocks  # noqa: E402  (shared with tests/test_readme.py)
+
 GPT2_SMALL = ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--block-size", "1024"]
 
 
@@ -211,13 +213,12 @@ def install_check(nproc: int) -> dict:
 def readme_check(nproc: int) -> dict:
     """The README's torchrun snippet, copied as a user would, on the GPUs: 6 steps, then STEPS=12
     resumes it; the installed CLI then verifies and consolidates the checkpoint it left."""
-    text = (REPO / "README.md").read_text()
-    m = re.search(r"<!-- runnable: torchrun \d+ -->\n```python\n(.*?)\n```", text, re.S)
-    if not m:
+    snippets = [code for _, ranks, code in runnable_blocks(REPO / "README.md") if ranks]
+    if not snippets:
         raise SystemExit("README.md has no `runnable: torchrun` snippet")
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        (cwd / "train.py").write_text(m.group(1) + "\n")
+        (cwd / "train.py").write_text(snippets[0])
         t0 = time.perf_counter()
         _run(_torchrun(nproc, "train.py"), cwd)
         first = time.perf_counter() - t0
