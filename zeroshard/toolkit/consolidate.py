@@ -25,7 +25,7 @@ from zeroshard.format.output import PreparedOutput, output_transaction, prepare_
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 from zeroshard.toolkit.selection import OutputTensor, model_tensors, output_files, parse_size, plan_shards  # noqa: F401
-from zeroshard.toolkit.transfer import Job, commit, create_outputs, discard, run_transfer
+from zeroshard.toolkit.transfer import commit, create_outputs, discard, write_plan
 from zeroshard.toolkit.workers import auto_workers
 
 CONFIG_NAME = "config.json"
@@ -51,14 +51,7 @@ def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
-        if folder.local:
-            _write_rank_major(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
-        else:  # one writer per object, front to back (toolkit.stream)
-            from zeroshard.toolkit.plan import plan_files
-            from zeroshard.toolkit.stream import stream_outputs
-
-            stream_outputs(source, manifest, output.stage if output else folder, plan_files(manifest, names, shards),
-                           bar.update)
+        _write(source, manifest, output.stage if output else folder, names, shards, bar.update, workers)
     if output is not None:
         finish_folder(output, names, shards, total, config_bytes)
     return [folder.url_of(name) for name in names] + ([folder.url_of(CONFIG_NAME)] if config_bytes else [])
@@ -136,24 +129,21 @@ def prepare(folder: Location, names: list[str], single_file: bool, overwrite: bo
     return prepare_output(folder, overwrite, inputs)
 
 
-def _write_rank_major(source: Location, manifest: Manifest, folder: Location, names: list[str],
-                      shards: list[list[OutputTensor]], progress, workers: int) -> None:
-    """Local outputs: every input file read once, each fragment placed at its offset (transfer.py).
-    The outputs are created first and filled by tasks of consecutive pieces, so workers share
-    even a single big file."""
-    from zeroshard.toolkit.plan import plan_files, split_tasks  # numpy: when a copy starts
+def _write(source: Location, manifest: Manifest, stage: Location, names: list[str],
+           shards: list[list[OutputTensor]], progress, workers: int) -> None:
+    """The files, under `stage` (transfer.write_plan). Local ones are created first and filled by
+    tasks of consecutive pieces, so workers share even a single big file; then moved to their names."""
+    from zeroshard.toolkit.plan import plan_files  # numpy: when a copy starts
 
     plan = plan_files(manifest, names, shards)
-    outputs = create_outputs(folder, plan)
+    created = create_outputs(stage, plan) if stage.local else []
     try:
-        job = Job(source.url, source.storage_options, manifest, folder.url, plan.outputs,
-                  {i: f.temp_path for i, f in enumerate(outputs)})
-        run_transfer(job, split_tasks(plan, workers, whole_outputs=False), workers, progress, int(plan.written.sum()))
-        folder.fsync([f.temp_path.rsplit("/", 1)[-1] for f in outputs])  # durable before it appears
-        commit(folder, outputs)
-        folder.fsync(names)  # (already clean) and the folder entry of each rename
+        write_plan(source, manifest, stage, plan, workers, progress, {i: f.temp_path for i, f in enumerate(created)})
+        stage.fsync([f.temp_path.rsplit("/", 1)[-1] for f in created])  # durable before it appears (S3: is)
+        commit(stage, created)
+        stage.fsync(names)  # (already clean) and the folder entry of each rename
     except BaseException:
-        discard(outputs)
+        discard(created)
         raise
 
 

@@ -27,24 +27,22 @@ import hashlib
 import os
 import sys
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from zeroshard.agree import agree
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import RankFileResult
 from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from zeroshard.format.output import PreparedOutput, prepare_output
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.identity import identity
 from zeroshard.storage.location import Location, parse_storage_options
-from zeroshard.toolkit.plan import Plan, plan_files, plan_ranks, split_tasks
-from zeroshard.toolkit.plans import Finished, RankFilePlans, carried_tensors
+from zeroshard.toolkit.plan import plan_files, plan_rank_files
+from zeroshard.toolkit.plans import Finished, carried_tensors
 from zeroshard.toolkit.reshard import commit_resharded, target_of
-from zeroshard.toolkit.stream import stream_outputs
-from zeroshard.toolkit.transfer import Job, commit, create_outputs, discard, rank_file_results, run_and_commit
+from zeroshard.toolkit.transfer import commit, create_outputs, discard, write_plan
 
 
+@output_transaction
 def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool = False,
                         storage_options: dict | None = None, workers: int = 1) -> str:
     """Collective over the default process group: every process calls it; returns OUT's URL."""
@@ -55,8 +53,7 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
     opened: dict[str, Any] = {}
 
     def setup() -> dict[str, str]:
-        given = Location(ckpt, storage_options)
-        source, manifest, digest = _open_source(given)
+        given, source, manifest, digest = _open_source(ckpt, storage_options)
         out_root = Location(out, storage_options)
         target = target_of(given, source, out_root)
         opened.update(given=given, source=source, manifest=manifest, out_root=out_root, target=target)
@@ -76,34 +73,15 @@ def reshard_distributed(ckpt: str, world_size: int, out: str, *, overwrite: bool
 
     stage_url, checkpoint_id = _on_rank0(prepare)
     stage = Location(stage_url, storage_options)
-    planner = RankFilePlans(specs, world_size, checkpoint_id)
-    plan = plan_ranks(manifest, planner, range(world_size))  # every process plans alike, then takes its share
-    if stage.local:  # rank-major into memory-mapped files (transfer.py), whole files per task
-        job = Job(source.url, source.storage_options, manifest, stage_url, planner)
-        mine = split_tasks(plan, procs * max(workers, 1))[rank::procs]
-
-        def write() -> list[RankFileResult]:
-            return rank_file_results(run_and_commit(job, mine, workers, sync=True))
-    else:  # object store: each process streams whole rank files, a contiguous band of output ranks
-
-        def write() -> list[RankFileResult]:
-            return stream_outputs(source, manifest, stage, _share(plan, rank, procs))
-
-    def finish(written: list[list[RankFileResult]]) -> None:
-        # every process synced its own files (S3 objects are durable)
-        commit_resharded(prepared[0], manifest, specs, world_size, [result for part in written for result in part],
-                         checkpoint_id, out_root)
-
-    try:
-        written = _agree(write)
-        _on_rank0(lambda: finish(written))
-    except BaseException:
-        if prepared and not prepared[0].done:
-            prepared[0].abandon()
-        raise
-    return target.url
+    plan = plan_rank_files(manifest, specs, world_size, checkpoint_id)  # every process plans alike, takes its share
+    # local: whole files per task, S3: a band of whole files per process; each process syncs its own files
+    written = _agree(lambda: write_plan(source, manifest, stage, plan, workers, rank=rank, procs=procs, sync=True))
+    results = [result for part in written for result in part]
+    _on_rank0(lambda: commit_resharded(prepared[0], manifest, specs, world_size, results, checkpoint_id, out_root))
+    return target.url  # (after a failure anywhere, process 0's output_transaction abandons the output)
 
 
+@output_transaction
 def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None = None, dtype: str | None = None,
                             overwrite: bool = False, storage_options: dict | None = None, workers: int = 1,
                             include: list[str] | None = None, exclude: list[str] | None = None,
@@ -119,8 +97,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     opened: dict[str, Any] = {}
 
     def setup() -> dict[str, str]:
-        given = Location(ckpt, storage_options)
-        source, manifest, digest = _open_source(given)
+        given, source, manifest, digest = _open_source(ckpt, storage_options)
         folder, names, shards, total, single_file = single.plan(
             source, manifest, out, dtype=dtype, max_shard_size=max_shard_size, include=include, exclude=exclude,
             strip_prefix=strip_prefix)
@@ -151,43 +128,32 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
 
     stage_url, temp_paths = _on_rank0(create)
     stage = Location(stage_url, storage_options)
-    if stage.local:  # every output created by process 0; all fill them by runs of pieces (transfer.py)
-        job = Job(source.url, source.storage_options, manifest, stage_url, plan.outputs, temp_paths)
-        tasks = split_tasks(plan, procs * max(workers, 1), whole_outputs=False)
-
-        def write() -> None:
-            run_and_commit(job, tasks[rank::procs], workers, sync=True)
-    else:  # object store: an object is written front to back by one writer, so files are dealt out whole
-
-        def write() -> None:
-            stream_outputs(source, manifest, stage, _share(plan, rank, procs))
 
     def finish() -> None:
-        if stage.local:
-            commit(stage, created)
-            stage.fsync(names)
+        stage.fsync([f.temp_path.rsplit("/", 1)[-1] for f in created])  # a file no process wrote into too
+        commit(stage, created)  # (none on S3, where fsync does nothing either)
+        stage.fsync(names)
         if prepared[0] is not None:
             single.finish_folder(prepared[0], names, shards, total, opened["config"])
 
-    try:
-        _agree(write)
+    try:  # local: all fill process 0's files by runs of pieces, S3: each process a band of whole files
+        _agree(lambda: write_plan(source, manifest, stage, plan, workers, temp_paths=temp_paths, rank=rank,
+                                  procs=procs, sync=True))
         _on_rank0(finish)
     except BaseException:
-        if rank == 0:
-            discard(created)
-            if prepared and prepared[0] is not None and not prepared[0].done:
-                prepared[0].abandon()
+        discard(created)  # process 0's (a stage, if any, is abandoned by its output_transaction)
         raise
     return [folder.url_of(name) for name in names] + ([folder.url_of(single.CONFIG_NAME)] if opened["config"] else [])
 
 
 # ---- agreeing on what to do -------------------------------------------------------------------
-def _open_source(given: Location) -> tuple[Location, Manifest, str]:
-    """The checkpoint behind `given`, its manifest, and the SHA-256 of the manifest's bytes (read
-    once: the manifest agreed on is the one used)."""
+def _open_source(ckpt: str, storage_options: dict | None) -> tuple[Location, Location, Manifest, str]:
+    """CKPT as given, the checkpoint behind it, its manifest, and the SHA-256 of the manifest's
+    bytes (read once: the manifest agreed on is the one used)."""
+    given = Location(ckpt, storage_options)
     source = resolve_checkpoint(given)
     raw = read_manifest_bytes(source)
-    return source, parse_manifest(raw, source.url_of(MANIFEST_NAME)), hashlib.sha256(raw).hexdigest()
+    return given, source, parse_manifest(raw, source.url_of(MANIFEST_NAME)), hashlib.sha256(raw).hexdigest()
 
 
 def _where(location: Location, name: str = "") -> str:
@@ -226,26 +192,16 @@ def _same_everywhere(described: list[dict[str, str]]) -> None:
                              + "; ".join(problems[:3]) + more)
 
 
-def _share(plan: Plan, rank: int, procs: int) -> Plan:
-    """Process `rank`'s share of the outputs: a contiguous band (neighbouring outputs read
-    neighbouring inputs), about equal in bytes; none when there are fewer outputs than processes."""
-    parts = plan.split(procs)
-    return parts[rank] if rank < len(parts) else replace(plan.take(slice(0, 0)), output_sizes=[])
-
-
-def _outcome(step) -> tuple[Any, ZeroshardError | None]:
-    try:
-        return step(), None
-    except ZeroshardError as exc:
-        return None, exc
-    except Exception as exc:  # any failure becomes a one-line error on every process
-        return None, ZeroshardError(f"{type(exc).__name__}: {exc}")
-
-
 def _agree(step) -> list:
     """Run `step` everywhere; every process gets every result, or every process raises
     (zeroshard.agree: the failed process its own error, the others OtherRanksFailedError)."""
-    result, error = _outcome(step)
+    result, error = None, None
+    try:
+        result = step()
+    except ZeroshardError as exc:
+        error = exc
+    except Exception as exc:  # any failure becomes a one-line error on every process
+        error = ZeroshardError(f"{type(exc).__name__}: {exc}")
     return agree(error, action="the distributed toolkit run", payload=result)
 
 
@@ -253,8 +209,7 @@ def _on_rank0(step) -> Any:
     """Run `step` on process 0 and share its result (or its error) with everyone."""
     import torch.distributed as dist
 
-    result, error = _outcome(step) if dist.get_rank() == 0 else (None, None)
-    return agree(error, action="the distributed toolkit run", payload=result)[0]
+    return _agree(step if dist.get_rank() == 0 else lambda: None)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,14 +39,12 @@ def copy_from_input(reader: "CheckpointReader", rank: int, pieces: Any, outputs:
     opened = reader.open_file(rank)
     size = opened.header.file_size
     whole = opened.reader.view(0, size)
-    entries = opened.header.entries
     tids = pieces.tensor
     unique = np.unique(tids)
-    begins = np.empty(len(unique), dtype=np.int64)
+    names = [pieces.tensor_names[tid] for tid in unique.tolist()]
     if reader.verify_hashes:
-        check_input(reader, rank, whole, [pieces.tensor_names[tid] for tid in unique.tolist()])
-    for i, tid in enumerate(unique.tolist()):
-        begins[i] = entries[pieces.tensor_names[tid]].begin
+        check_input(reader, rank, whole, names)
+    begins = np.array([opened.header.entries[name].begin for name in names], dtype=np.int64)
     # the fragment's place as read in the header, plus the piece's offset inside it
     source = begins[np.searchsorted(unique, tids)] + pieces.input_offset - pieces.input_fragment
     outs, cast = pieces.output, pieces.cast

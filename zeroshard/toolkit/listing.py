@@ -19,8 +19,7 @@ def list_tensors(ckpt: str, pattern: str = "*", *, storage_options: dict | None 
     rows = []
     for name in select(manifest.tensors, pattern):
         t = manifest.tensors[name]
-        row: dict[str, Any] = {"name": name, "role": t.role, "dtype": t.dtype, "shape": list(t.shape),
-                               "layout": t.layout if t.layout != "local" else f"local (rank {t.owner})"}
+        row = _row(t) if t.layout != "local" else {**_row(t), "layout": f"local (rank {t.owner})"}
         if t.param:
             row["param"], row["state"] = t.param, t.state
         rows.append(row)
@@ -55,7 +54,9 @@ def list_checkpoints(root: str, *, storage_options: dict | None = None) -> dict[
     if location.exists(MANIFEST_NAME):  # a checkpoint itself, not a root
         entries, latest = [_describe(location, location.url.rstrip("/").rsplit("/", 1)[-1])], None
     else:
-        latest = _latest(location)
+        latest = None
+        if location.exists(LATEST_NAME):
+            latest = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES).decode("utf-8", "replace").strip()
         entries = [_describe(location.child(name), name) for name in location.list()
                    if name != LATEST_NAME and location.isdir(name)]
     for e in entries:
@@ -64,12 +65,6 @@ def list_checkpoints(root: str, *, storage_options: dict | None = None) -> dict[
         entries.append({"name": latest, "status": "missing", "latest": True,
                         "problem": f"{LATEST_NAME} names it but it holds no {MANIFEST_NAME}"})
     return {"location": location.url, "latest": latest, "checkpoints": entries}
-
-
-def _latest(location: Location) -> str | None:
-    if not location.exists(LATEST_NAME):
-        return None
-    return location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES).decode("utf-8", "replace").strip()
 
 
 def _describe(folder: Location, name: str) -> dict[str, Any]:

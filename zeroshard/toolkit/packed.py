@@ -55,21 +55,10 @@ def fits(job: Job, planner: RankFilePlans) -> bool:
     return max(planner.layouts.file_size(run.end - 1) for run in planner.layouts.runs) <= PACK_FILE_BYTES
 
 
-class _Fallback(Exception):
-    """This task cannot be done here; the general path will do it (and explain what is off)."""
-
-
 def run_packed(job: Job, planner: RankFilePlans, task: Task,
                progress: Callable[[int], None] | None) -> dict[int, Finished] | None:
-    """Write the task's whole outputs; None when the general path must do it instead."""
-    try:
-        return _run(job, planner, task, progress)
-    except _Fallback:
-        return None
-
-
-def _run(job: Job, planner: RankFilePlans, task: Task,
-         progress: Callable[[int], None] | None) -> dict[int, Finished]:
+    """Write the task's whole outputs; None when the general path must do it instead (and
+    explain what is off), before anything is written."""
     manifest, layouts, ranks = job.manifest, planner.layouts, sorted(task.outputs)
     plan = task.plan if task.plan is not None else plan_ranks(manifest, planner, ranks)  # pieces (toolkit.plan)
 
@@ -88,21 +77,21 @@ def _run(job: Job, planner: RankFilePlans, task: Task,
     files = [manifest.file_for_rank(q) for q in needed.tolist()]
     in_base = np.cumsum([0] + [-(-f.size // 8) * 8 for f in files])
     if in_base[-1] > TASK_INPUT_BYTES:
-        raise _Fallback  # memory: the general path maps inputs through bounded windows instead
+        return None  # memory: the general path maps inputs through bounded windows instead
     in_buf = bytearray(int(in_base[-1]))
     in_view = memoryview(in_buf)
     source, source_layouts = Location(job.source_url, job.storage_options), layouts_of(manifest)
     for q, file, base in zip(needed.tolist(), files, in_base.tolist()):
         data = in_view[base:base + file.size]
         if not source.read_whole_into(file.name, data):
-            raise _Fallback
+            return None
         if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
             with CheckpointReader(source, manifest) as reader:  # names the tensor when a fragment hash can
                 check_input(reader, q, data, list(reader.open_file(q).header.entries))
                 raise CheckpointError(reader.where(q), "content hash mismatch (file corrupt or modified)")
         header = source_layouts.header(q)  # the plan's input offsets assume it
         if file.size != source_layouts.file_size(q, header) or data[:len(header)].tobytes() != header:
-            raise _Fallback  # a header composed otherwise (a valid file from another writer?): parse it there
+            return None  # a header composed otherwise (a valid file from another writer?): parse it there
     in_at = np.zeros(manifest.world_size, dtype=np.int64)
     in_at[needed] = in_base[:-1]
     copy_pieces(out_buf, in_buf, in_at[plan.input] + plan.input_offset, out_at[plan.output] + plan.output_offset,

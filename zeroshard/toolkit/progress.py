@@ -11,9 +11,6 @@ class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
 
-    def close(self) -> None:
-        pass
-
     def __enter__(self) -> "_NoBar":
         return self
 

@@ -17,13 +17,13 @@ import uuid
 from dataclasses import dataclass
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import RankFileResult, TensorSpec, build_manifest, open_checkpoint, update_latest
+from zeroshard.format import RankFileResult, build_manifest, open_checkpoint, update_latest
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plans import RankFilePlans, carried_tensors
+from zeroshard.toolkit.plans import carried_tensors
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import Job, rank_file_results, run_and_commit
+from zeroshard.toolkit.transfer import write_plan
 from zeroshard.toolkit.workers import auto_workers
 
 
@@ -82,15 +82,10 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     if workers is None:
         workers = auto_workers(manifest.world_size + world_size, total)
     with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
-        if output.stage.local:
-            results = _write_rank_major(source, manifest, output.stage, specs, world_size, checkpoint_id, bar.update,
-                                        workers)
-        else:  # one writer per object, front to back (toolkit.stream)
-            from zeroshard.toolkit.plan import plan_rank_files
-            from zeroshard.toolkit.stream import stream_outputs
+        from zeroshard.toolkit.plan import plan_rank_files  # numpy: when a copy starts
 
-            results = stream_outputs(source, manifest, output.stage,
-                                     plan_rank_files(manifest, specs, world_size, checkpoint_id), bar.update)
+        plan = plan_rank_files(manifest, specs, world_size, checkpoint_id)
+        results = write_plan(source, manifest, output.stage, plan, workers, bar.update)
     new = commit_resharded(output, manifest, specs, world_size, results, checkpoint_id, out_root, sync_files=True)
     return ReshardResult(new, target, dropped)
 
@@ -107,12 +102,3 @@ def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options:
     return (f"dry run: {source.url} ({manifest.world_size} ranks) -> {out_url} ({world_size} ranks); nothing written\n"
             + make_plan(manifest, world_size).describe())
 
-
-def _write_rank_major(source: Location, manifest: Manifest, target: Location, specs: list[TensorSpec], world_size: int,
-                      checkpoint_id: str, progress, workers: int) -> list[RankFileResult]:
-    from zeroshard.toolkit.plan import plan_ranks, split_tasks  # numpy: when a copy starts
-
-    planner = RankFilePlans(specs, world_size, checkpoint_id)
-    job = Job(source.url, source.storage_options, manifest, target.url, planner)
-    tasks = split_tasks(plan_ranks(manifest, planner, range(world_size)), workers)
-    return rank_file_results(run_and_commit(job, tasks, workers, progress, sum(t.nbytes for t in specs)))

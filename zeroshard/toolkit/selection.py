@@ -78,13 +78,12 @@ def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exc
     chosen = set(select(names, include or None, exclude))
     if not chosen:
         raise ZeroshardError(f"{url}: --include/--exclude leave no tensor to write")
-    prefixes = list(strip_prefix or [])
     out: list[OutputTensor] = []
     seen: dict[str, str] = {}
     for t in tensors:
         if t.name not in chosen:
             continue
-        new = strip(t.name, prefixes)
+        new = strip(t.name, strip_prefix or [])
         if not new:
             raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {t.name!r} with an empty name")
         if new in seen:

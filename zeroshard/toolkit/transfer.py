@@ -14,7 +14,7 @@ big consolidated file) into tasks that run in this process or in `workers` threa
 processes (zeroshard.toolkit.workers).
 
 Outputs on S3 cannot be written out of order; those take the remote executor
-(zeroshard.toolkit.stream).
+(zeroshard.toolkit.stream): write_plan picks the executor for a command or a torchrun process.
 """
 
 from __future__ import annotations
@@ -47,62 +47,68 @@ STEP_BYTES = 1024 * 1024  # a window is hashed and copied in steps this big: eac
 MAX_OPEN_INPUTS = 64  # big inputs of one task read side by side, at most this many at once
 
 
-def run_transfer(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
-                 total_bytes: int = 0) -> dict[int, Finished]:
-    """Run `tasks` (here, or spread over `workers` threads or processes: workers.worker_pool).
-    Returns the outputs written
-    whole by a task; on failure, removes every temp file the tasks made and raises. Progress:
-    bytes as they are read here; with workers, an equal share of `total_bytes` per task done."""
+def write_plan(source: Location, manifest: Manifest, stage: Location, plan: Plan, workers: int = 1,
+               progress: Callable[[int], None] | None = None, temp_paths: dict[int, str] | None = None,
+               rank: int = 0, procs: int = 1, sync: bool = False) -> list[RankFileResult]:
+    """Write process `rank` of `procs`'s share of `plan`'s outputs under `stage`; returns the rank
+    files written. Local: rank-major (run_and_commit; `sync`: durable before the move), except
+    outputs the caller created up front (`temp_paths`): filled by runs of pieces, left to it to move."""
+    if not stage.local:
+        from zeroshard.toolkit.stream import stream_outputs
+
+        # streamed: an object has one writer, front to back, so outputs are dealt out whole, a contiguous
+        # band per process (neighbouring outputs read neighbouring inputs), about equal in bytes
+        parts = plan.split(procs)
+        share = parts[rank] if rank < len(parts) else replace(plan.take(slice(0, 0)), output_sizes=[])
+        return stream_outputs(source, manifest, stage, share, progress)
+    from zeroshard.toolkit.plan import split_tasks  # numpy: when a copy starts
+
+    job = Job(source.url, source.storage_options, manifest, stage.url, plan.outputs, temp_paths or {})
+    tasks = split_tasks(plan, procs * max(workers, 1), whole_outputs=not temp_paths)[rank::procs]
+    finished = run_and_commit(job, tasks, workers, progress, int(plan.written.sum()), sync)
+    return [RankFileResult(FileEntry(f.name, out_rank, f.size, f.file_hash), f.fragment_hashes)
+            for out_rank, f in sorted(finished.items())]
+
+
+def run_and_commit(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
+                   total_bytes: int = 0, sync: bool = False) -> dict[int, Finished]:
+    """Run `tasks` (here, or spread over `workers` threads or processes: workers.worker_pool), then
+    move the outputs they wrote whole to their names; returns those. `sync`: every file the tasks
+    wrote made durable first (the torchrun mode, where process 0 commits the others' files). On
+    failure, removes every temp file the tasks made and raises. Progress: bytes as they are read
+    here; with workers, an equal share of `total_bytes` per task done."""
     results: dict[int, Finished] = {}
     try:
         if workers <= 1 or len(tasks) <= 1:
             for task in tasks:
                 results.update(run_task(job, task, progress))
-            return results
-        with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
-            # processes re-plan their own outputs, side by side, rather than unpickle the pieces
-            # (pieces of outputs created up front cannot be re-planned: they travel)
-            replan = not isinstance(pool, ThreadPoolExecutor) and not job.temp_paths
-            futures = [pool.submit(run_task, job, replace(task, plan=None) if replan else task) for task in tasks]
-            try:
-                for done, future in enumerate(futures):
-                    results.update(future.result())
-                    if progress is not None:
-                        progress(total_bytes * (done + 1) // len(tasks) - total_bytes * done // len(tasks))
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                for future in futures:
-                    if future.done() and not future.cancelled() and future.exception() is None:
+        else:
+            with worker_pool(min(workers, len(tasks)), [f.size for f in job.manifest.files]) as pool:
+                # processes re-plan their own outputs, side by side, rather than unpickle the pieces
+                # (pieces of outputs created up front cannot be re-planned: they travel)
+                replan = not isinstance(pool, ThreadPoolExecutor) and not job.temp_paths
+                futures = [pool.submit(run_task, job, replace(task, plan=None) if replan else task) for task in tasks]
+                try:
+                    for done, future in enumerate(futures):
                         results.update(future.result())
-                raise
-        return results
+                        if progress is not None:
+                            progress(total_bytes * (done + 1) // len(tasks) - total_bytes * done // len(tasks))
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    for future in futures:
+                        if future.done() and not future.cancelled() and future.exception() is None:
+                            results.update(future.result())
+                    raise
+        target = Location(job.target_url, job.storage_options)  # every temp file is in it
+        if sync:
+            touched = {f.temp_path for f in results.values()} | {job.temp_paths[i] for t in tasks
+                                                                 for i in t.outputs if i in job.temp_paths}
+            target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
+        commit(target, results.values())
     except BaseException:
         discard(results.values())
         raise
-
-
-def run_and_commit(job: Job, tasks: list[Task], workers: int = 1, progress: Callable[[int], None] | None = None,
-                   total_bytes: int = 0, sync: bool = False) -> dict[int, Finished]:
-    """run_transfer, then the whole outputs moved to their names. `sync`: every file the tasks
-    wrote made durable first (the torchrun mode, where process 0 commits the others' files)."""
-    finished = run_transfer(job, tasks, workers, progress, total_bytes)
-    target = Location(job.target_url, job.storage_options)  # every temp file is in it
-    try:
-        if sync:
-            touched = {f.temp_path for f in finished.values()} | {job.temp_paths[i] for t in tasks
-                                                                  for i in t.outputs if i in job.temp_paths}
-            target.fsync(sorted(path.rsplit("/", 1)[-1] for path in touched))
-        commit(target, finished.values())
-    except BaseException:
-        discard(finished.values())
-        raise
-    return finished
-
-
-def rank_file_results(finished: dict[int, Finished]) -> list[RankFileResult]:
-    """Finished rank files as the manifest's entries, by rank."""
-    return [RankFileResult(FileEntry(f.name, rank, f.size, f.file_hash), f.fragment_hashes)
-            for rank, f in sorted(finished.items())]
+    return results
 
 
 def create_outputs(target: Location, plan: Plan) -> list[Finished]:
@@ -290,12 +296,8 @@ def _copy_fragment(reader: CheckpointReader, rank: int, opened, name: str, piece
         del view
         opened.reader.release(entry.begin + w0, wlen)  # drop what was read from this process's map
     if hasher is not None and hasher.hexdigest() != recorded[name]:
-        raise _mismatch(reader, rank, name)
+        raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
     return length
-
-
-def _mismatch(reader: CheckpointReader, rank: int, name: str) -> CheckpointError:
-    return CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
 
 
 def _finish(plan: OutputPlan, out: MappedOutput, taken: InOrderHashes | None) -> Finished:

@@ -74,16 +74,10 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
     try:
         report.manifest_bytes = read_manifest_bytes(location)
         manifest = parse_manifest(report.manifest_bytes, location.url_of(MANIFEST_NAME))
+        signed = None if key is None else _signed_digests(location, key, report.manifest_bytes)
     except (CheckpointError, StorageError) as exc:
         report.problems.append(str(exc))
         return report
-    signed: dict[str, str] | None = None
-    if key is not None:
-        try:
-            signed = _signed_digests(location, key, report.manifest_bytes)
-        except (CheckpointError, StorageError) as exc:
-            report.problems.append(str(exc))
-            return report
     sha256 = sha256 or signed is not None
     report.tensors = len(manifest.tensors)
     present = set(location.list())
@@ -118,9 +112,8 @@ def verify(ckpt: str, *, storage_options: dict | None = None, quiet: bool = True
         report.bytes_checked += nbytes
         report.sha256.update(digests)
     if signed is not None:
-        where = location.url_of(SIGNATURE_NAME)
         if set(signed) != {f.name for f in manifest.files}:
-            report.problems.append(f"{where}: signs other files than the manifest lists")
+            report.problems.append(f"{location.url_of(SIGNATURE_NAME)}: signs other files than the manifest lists")
         for name, digest in report.sha256.items():
             if signed.get(name) != digest:
                 report.problems.append(f"{location.url_of(name)}: SHA-256 differs from the signed one "
@@ -140,7 +133,6 @@ def check_files(url: str, storage_options: dict, manifest: Manifest, files: list
     checked = nbytes = 0
     digests: dict[str, str] = {}
     for file in files:
-        where = location.url_of(file.name)
         try:
             fast = None
             if layouts is not None and file.size <= SMALL_FILE_BYTES:
@@ -153,7 +145,7 @@ def check_files(url: str, storage_options: dict, manifest: Manifest, files: list
                     progress(file.size)
             else:  # large, remote, or something is off: the streaming check, which says what
                 found, digest = _check_file(location, manifest, file, progress, sha256)
-            problems.extend(f"{where}: {p}" for p in found)
+            problems.extend(f"{location.url_of(file.name)}: {p}" for p in found)
             if digest:
                 digests[file.name] = digest
             checked += 1
@@ -186,9 +178,7 @@ def _check_small_file(location: Location, file: FileEntry, manifest: Manifest, l
     # tobytes() first: a memoryview compares with bytes element by element, bytes by memcmp
     if file.size != layouts.file_size(file.rank, header) or view[:len(header)].tobytes() != header:
         return None
-    if hash_bytes(view) != file.hash:
-        return None
-    if deep and not _fragments_hold(view, file, manifest, layouts, len(header)):
+    if hash_bytes(view) != file.hash or deep and not _fragments_hold(view, file, manifest, layouts, len(header)):
         return None
     return hashlib.sha256(view).hexdigest() if sha256 else ""
 
