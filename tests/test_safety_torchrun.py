@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from zeroshard.toolkit.verify import verify
 
 from checkpoints import read_checkpoint, training_state, write_checkpoint
-from distributed import free_port
+from distributed import free_port, run_ranks
 from test_roundtrip import assert_same
 
 # Each process takes, of every argument written "a|b", the alternative at its RANK.
@@ -139,3 +139,44 @@ def test_an_output_that_is_a_file_is_one_line_naming_it(tmp_path):
     result = torchrun_per_rank(tmp_path, "reshard", str(tmp_path / "c"), "--to", "3", "-o", str(blocker))
     assert result.returncode != 0 and f"{blocker}: exists and is a file" in result.stderr, result.stderr[-2000:]
     assert "Errno" not in result.stderr and blocker.read_bytes() == b"precious"
+
+
+def _consolidate_logging_durability(rank: int, world: int, ckpt: str, out: str) -> list[tuple[str, str]]:
+    """consolidate_distributed, with this process's fsyncs and moves into place logged in order."""
+    from zeroshard.storage.location import Location
+    from zeroshard.toolkit import transfer
+    from zeroshard.toolkit.distributed import consolidate_distributed
+
+    events: list[tuple[str, str]] = []
+    fsync, move = Location.fsync, transfer.move_into_place
+
+    def logged_fsync(self, names):
+        events.extend(("fsync", name) for name in names)
+        return fsync(self, names)
+
+    def logged_move(target, temp_path, name):
+        events.append(("move", temp_path.rsplit("/", 1)[-1]))
+        return move(target, temp_path, name)
+
+    Location.fsync, transfer.move_into_place = logged_fsync, logged_move
+    try:
+        consolidate_distributed(ckpt, out)
+    finally:  # the rank processes are pooled: later tests get the real calls back
+        Location.fsync, transfer.move_into_place = fsync, move
+    return events
+
+
+def test_torchrun_consolidate_syncs_a_file_no_process_wrote_into_before_moving_it(tmp_path):
+    """A model of empty tensors: process 0 creates the output (a header, no piece for anyone to
+    write), and must make it durable before it appears under its name, as the single-process
+    command does. Before the fix it was moved first and fsynced only after."""
+    save_file({"a": torch.zeros(0), "b": torch.zeros(0, 3)}, str(tmp_path / "m.safetensors"))
+    subprocess.run([sys.executable, "-m", "zeroshard.cli", "shard", str(tmp_path / "m.safetensors"),
+                    str(tmp_path / "ck"), "--world", "2"], check=True, capture_output=True, timeout=120)
+    out = tmp_path / "out.safetensors"
+    events = run_ranks(_consolidate_logging_durability, 2, timeout=180, ckpt=str(tmp_path / "ck"), out=str(out))[0]
+    moves = [i for i, (kind, _) in enumerate(events) if kind == "move"]
+    assert moves, events
+    for i in moves:
+        assert ("fsync", events[i][1]) in events[:i], (events[i], events)
+    assert load_file(str(out))["b"].shape == (0, 3)
