@@ -7,9 +7,8 @@ arrives, all of them are copied into the bucket (row layout, see layout.py) by o
 partition has one "rank"). [Note: one copy per bucket] A GPU step of a small model is bound by
 kernel launches and the hooks' Python, not by arithmetic: with a copy (and its views) per
 parameter, the hooks were a sixth of a profiled H100 step's host time. Held gradients are
-counted in `held` like bucket buffers. `finish()`
-launches what is left (parameters that got no gradient contribute zeros), waits, and adds the
-results into `master.grad`.
+counted in `held` like bucket buffers. `finish()` launches what is left (parameters that got no
+gradient contribute zeros), waits, and adds the results into `master.grad`.
 
 Every rank must issue the same collectives in the same order, whatever order the hooks fire
 in, so buckets are static and always launch in index order (a ready bucket waits for earlier
@@ -187,9 +186,10 @@ class GradReducer:
         for bucket in self.buckets[self._next:]:
             if bucket.buf is None:
                 for position, s in enumerate(bucket.shards):
-                    if s.index not in bucket.ready and s.param.grad is not None and s.chunk:
-                        bucket.held[position] = grad = s.param.grad.detach()
-                        self._account(grad.numel() * grad.element_size())
+                    if s.index not in bucket.ready and s.param.grad is not None:
+                        if s.chunk:
+                            bucket.held[position] = grad = s.param.grad.detach()
+                            self._account(grad.numel() * grad.element_size())
                         s.param.grad = None
                 self._fill(bucket)
             self._launch(bucket)
