@@ -137,6 +137,8 @@ def rows_to_flat_pairs(rows: torch.Tensor, flat: torch.Tensor) -> list[tuple[tor
     if chunk == 0:
         return []
     numel = flat.numel()
+    if numel == world * chunk:  # no padding (the common case): one view, no slices
+        return [(flat.view(world, chunk), rows)]
     full = min(numel // chunk, world)
     pairs = []
     if full:
@@ -152,14 +154,6 @@ def column_pairs(rows: torch.Tensor, chunks: list[int],
     """(flat part, its rows) view pairs of a bucket's [world, sum(chunks)] buffer, one column
     block per chunk, for one `_foreach_copy_` either way; a None flat is skipped. [Note: views per
     step] A GPU step of a small model is bound by Python and dispatch: the blocks come from one
-    split, and a tensor that fills its block exactly (no padding: the common case) is one view."""
-    world = rows.shape[0]
-    pairs = []
-    for block, chunk, flat in zip(rows.split(chunks, dim=1), chunks, flats):
-        if flat is None or chunk == 0:
-            continue
-        if flat.numel() == world * chunk:
-            pairs.append((flat.view(world, chunk), block))
-        else:
-            pairs.extend(rows_to_flat_pairs(block, flat))
-    return pairs
+    split, not a slice each."""
+    blocks = rows.split(chunks, dim=1)
+    return [pair for block, flat in zip(blocks, flats) if flat is not None for pair in rows_to_flat_pairs(block, flat)]

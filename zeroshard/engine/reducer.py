@@ -103,14 +103,17 @@ class GradReducer:
             raise EngineUsageError(f"gradient of {shard.name!r} arrived twice in one backward")
         bucket.ready.add(shard.index)
         if shard.chunk:
-            bucket.held[position] = grad
-            self._account(grad.numel() * grad.element_size())
+            self._hold(bucket, position, grad)
         if self._seen is not None:
             self._seen.append(shard.index)
         if len(bucket.ready) == len(bucket.shards):
             self._fill(bucket)
             if self.overlap:
                 self._launch_due()
+
+    def _hold(self, bucket: _Bucket, position: int, grad: torch.Tensor) -> None:
+        bucket.held[position] = grad
+        self._account(grad.numel() * grad.element_size())
 
     def _account(self, nbytes: int) -> None:
         self.held += nbytes
@@ -122,9 +125,8 @@ class GradReducer:
         self._account(bucket.buf.numel() * bucket.buf.element_size())
         if bucket.held:
             # (the hooks' gradients need no detach: they do not require grad)
-            flats = [bucket.held.get(i) for i in range(len(bucket.shards))]
-            pairs = column_pairs(bucket.buf.view(self.world, bucket.total), bucket.chunks,
-                                 [None if g is None else g.reshape(-1) for g in flats])
+            flats = [bucket.held[i].reshape(-1) if i in bucket.held else None for i in range(len(bucket.shards))]
+            pairs = column_pairs(bucket.buf.view(self.world, bucket.total), bucket.chunks, flats)
             torch._foreach_copy_([r for _, r in pairs], [g for g, _ in pairs])
         self.held -= sum(g.numel() * g.element_size() for g in bucket.held.values())
         bucket.held.clear()
@@ -188,8 +190,7 @@ class GradReducer:
                 for position, s in enumerate(bucket.shards):
                     if s.index not in bucket.ready and s.param.grad is not None:
                         if s.chunk:
-                            bucket.held[position] = grad = s.param.grad.detach()
-                            self._account(grad.numel() * grad.element_size())
+                            self._hold(bucket, position, s.param.grad.detach())
                         s.param.grad = None
                 self._fill(bucket)
             self._launch(bucket)

@@ -139,9 +139,7 @@ def _write(source: Location, manifest: Manifest, stage: Location, names: list[st
     created = create_outputs(stage, plan) if stage.local else []
     try:
         write_plan(source, manifest, stage, plan, workers, progress, {i: f.temp_path for i, f in enumerate(created)})
-        stage.fsync([f.temp_path.rsplit("/", 1)[-1] for f in created])  # durable before it appears (S3: is)
-        commit(stage, created)
-        stage.fsync(names)  # (already clean) and the folder entry of each rename
+        commit(stage, created, durable=True)  # (S3: none created, every object durable once written)
     except BaseException:
         discard(created)
         raise

@@ -130,9 +130,7 @@ def consolidate_distributed(ckpt: str, out: str, *, max_shard_size: str | None =
     stage = Location(stage_url, storage_options)
 
     def finish() -> None:
-        stage.fsync([f.temp_path.rsplit("/", 1)[-1] for f in created])  # a file no process wrote into too
-        commit(stage, created)  # (none on S3, where fsync does nothing either)
-        stage.fsync(names)
+        commit(stage, created, durable=True)  # also a file no process wrote into (none on S3)
         if prepared[0] is not None:
             single.finish_folder(prepared[0], names, shards, total, opened["config"])
 

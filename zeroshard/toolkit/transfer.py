@@ -134,10 +134,16 @@ def discard(finished: Iterable[Finished]) -> None:
             os.unlink(f.temp_path)
 
 
-def commit(target: Location, finished: Iterable[Finished]) -> None:
-    """Move finished outputs to their names (fsync first where durability is needed: Location.fsync)."""
+def commit(target: Location, finished: Iterable[Finished], durable: bool = False) -> None:
+    """Move finished outputs to their names. `durable`: each synced before it appears under its name,
+    and the folder entries after (Location.fsync; nothing to do on an object store)."""
+    finished = list(finished)
+    if durable:
+        target.fsync([f.temp_path.rsplit("/", 1)[-1] for f in finished])
     for f in finished:
         move_into_place(target, f.temp_path, f.name)
+    if durable:
+        target.fsync([f.name for f in finished])
 
 
 def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None) -> dict[int, Finished]:

@@ -178,7 +178,7 @@ def _check_small_file(location: Location, file: FileEntry, manifest: Manifest, l
     # tobytes() first: a memoryview compares with bytes element by element, bytes by memcmp
     if file.size != layouts.file_size(file.rank, header) or view[:len(header)].tobytes() != header:
         return None
-    if hash_bytes(view) != file.hash or deep and not _fragments_hold(view, file, manifest, layouts, len(header)):
+    if hash_bytes(view) != file.hash or (deep and not _fragments_hold(view, file, manifest, layouts, len(header))):
         return None
     return hashlib.sha256(view).hexdigest() if sha256 else ""
 
