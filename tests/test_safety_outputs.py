@@ -175,16 +175,19 @@ def test_disk_full_half_way_through_an_overwrite_keeps_the_old_output(tmp_path):
 
 
 # The CLI, SIGKILLed when it opens its second input file (the first one's data is copied).
-KILLED_AFTER_ONE_INPUT = (
+KILLED_AFTER_ONE_INPUT = (  # inputs are opened by the reader, or (small ones) read whole by the store
     "import os, signal, sys\n"
     "from zeroshard.format import reader\n"
-    "real = reader.CheckpointReader.open_file\n"
+    "from zeroshard.storage import location\n"
     "seen = set()\n"
-    "def dying(self, rank):\n"
-    "    seen.add(rank)\n"
-    "    if len(seen) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
-    "    return real(self, rank)\n"
-    "reader.CheckpointReader.open_file = dying\n"
+    "def dying(real):\n"
+    "    def opening(self, which, *args):\n"
+    "        seen.add(which)\n"
+    "        if len(seen) > 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+    "        return real(self, which, *args)\n"
+    "    return opening\n"
+    "reader.CheckpointReader.open_file = dying(reader.CheckpointReader.open_file)\n"
+    "location.Location.read_whole_into = dying(location.Location.read_whole_into)\n"
     "from zeroshard.cli import main\n"
     "sys.argv = ['zeroshard'] + sys.argv[1:]\n"
     "main()\n")

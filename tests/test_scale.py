@@ -87,9 +87,11 @@ def test_dtype_cast_on_the_rank_major_path(wide, tmp_path):
 
 def test_big_fragments_stream_through_windows(tmp_path, monkeypatch):
     """Fragments larger than the read window are copied and hash-checked window by window."""
+    import zeroshard.toolkit.gather as gather
     import zeroshard.toolkit.transfer as transfer
 
     monkeypatch.setattr(transfer, "WINDOW_BYTES", 4096)
+    monkeypatch.setattr(gather, "WHOLE_HASH_BYTES", 0)  # no input is read whole
     model = {"big": torch.randn(10_000), "small": torch.arange(5, dtype=torch.int64)}
     save_file(model, str(tmp_path / "m.safetensors"))
     shard(str(tmp_path / "m.safetensors"), str(tmp_path / "w2"), 2)
@@ -396,7 +398,7 @@ def test_a_writer_killed_in_the_packed_path_leaves_the_old_output(tmp_path):
 
 
 def test_bigger_inputs_are_checked_by_the_fragments_used(tmp_path, monkeypatch):
-    """Over WHOLE_HASH_BYTES an input mapped whole is checked by the hashes of the fragments
+    """Over WHOLE_HASH_BYTES an input is checked by the hashes of the fragments
     read (consolidate does not read the optimizer state beside the weights): still found."""
     import zeroshard.toolkit.gather as gather
 
@@ -409,6 +411,65 @@ def test_bigger_inputs_are_checked_by_the_fragments_used(tmp_path, monkeypatch):
     flip_byte_in(victim, "embed.weight")
     with pytest.raises(CheckpointError, match=f"{victim.name}.*'embed.weight'"):
         consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 20_000, None])
+def test_small_inputs_read_in_batches_give_the_per_file_paths_bytes(wide, tmp_path, monkeypatch, batch_bytes):
+    """Small inputs are read whole, a batch of files at a time, and gathered at once: batches of
+    one file, of a few, or all in one give the bytes of the per-file path (a cast and HF's
+    shards included: several outputs, pieces of many sizes)."""
+    import zeroshard.toolkit.gather as gather
+
+    root, _ = wide
+    runs = {"batched": batch_bytes, "per file": None}
+    for label, size in runs.items():
+        with monkeypatch.context() as m:
+            if label == "per file":
+                m.setattr(gather, "WHOLE_HASH_BYTES", 0)
+            elif size is not None:
+                m.setattr(gather, "BATCH_BYTES", size)
+            consolidate(str(root / "w300"), str(tmp_path / f"{label}.safetensors"), dtype="bf16")
+            consolidate(str(root / "w300"), str(tmp_path / label), max_shard_size="3KB")
+    assert (tmp_path / "batched.safetensors").read_bytes() == (tmp_path / "per file.safetensors").read_bytes()
+    shards = sorted(p.name for p in (tmp_path / "per file").iterdir())
+    assert len(shards) > 3 and shards == sorted(p.name for p in (tmp_path / "batched").iterdir())
+    for name in shards:
+        assert (tmp_path / "batched" / name).read_bytes() == (tmp_path / "per file" / name).read_bytes()
+
+
+def rewrite_header_otherwise(folder: Path, rank_file: str) -> None:
+    """Rewrite one rank file as another (valid) writer might: the same tensors, bytes and
+    hashes, but its header JSON spaced otherwise; the manifest records the new size and hash."""
+    import xxhash
+
+    path = folder / rank_file
+    data = path.read_bytes()
+    start, end = _header_span(path)
+    text = json.dumps(json.loads(data[start:end]), indent=1).encode()
+    text += b" " * (-len(text) % 8)
+    data = struct.pack("<Q", len(text)) + text + data[end:]
+    path.write_bytes(data)
+    manifest = json.loads((folder / "zeroshard.json").read_text())
+    entry = next(f for f in manifest["files"] if f["name"] == rank_file)
+    entry["size"], entry["hash"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    (folder / "zeroshard.json").write_text(json.dumps(manifest))
+
+
+def test_a_small_input_with_a_header_written_otherwise_takes_the_checked_path(wide, tmp_path):
+    """A batch holding a file whose header is not the one the plan's offsets assume is copied by
+    the per-file path, which reads where that header says: same output."""
+    import shutil
+
+    root, model = wide
+    shutil.copytree(root / "w300", tmp_path / "c")
+    rewrite_header_otherwise(tmp_path / "c", "rank-00007-of-00300.safetensors")
+    assert verify(str(tmp_path / "c")).ok
+    consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+    assert_same(model, load_file(tmp_path / "m.safetensors"))
+    flip_byte_in(tmp_path / "c" / "rank-00007-of-00300.safetensors", "t39")
+    with pytest.raises(CheckpointError, match="rank-00007-of-00300.safetensors.*'t39'"):
+        consolidate(str(tmp_path / "c"), str(tmp_path / "m2.safetensors"))
+    assert not (tmp_path / "m2.safetensors").exists() and not leftovers(tmp_path)
 
 
 def test_deep_verify_of_format_1_0_checks_the_manifests_fragment_hashes(tmp_path):

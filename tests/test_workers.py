@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from test_scale import leftovers
 
 from zeroshard.errors import CheckpointError
-from zeroshard.toolkit import transfer, workers
+from zeroshard.toolkit import gather, transfer, workers
 from zeroshard.toolkit.consolidate import consolidate
 from zeroshard.toolkit.reshard import reshard
 from zeroshard.toolkit.shard import shard
@@ -35,6 +35,7 @@ def test_pool_kind_follows_file_size():
 def big_files(monkeypatch):
     """Every file counts as big (threads) and goes through the windowed copy; records the pools."""
     monkeypatch.setattr(workers, "BIG_FILE_BYTES", 1)
+    monkeypatch.setattr(gather, "WHOLE_HASH_BYTES", 0)  # no input is read whole
     monkeypatch.setattr(transfer, "WINDOW_BYTES", 4096)
     monkeypatch.setattr(transfer, "STEP_BYTES", 1024)
     kinds = []

@@ -29,12 +29,10 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from zeroshard.errors import CheckpointError, StorageError
-from zeroshard.format.layouts import layouts_of
+from zeroshard.errors import StorageError
 from zeroshard.format.manifest import rank_file_name
-from zeroshard.format.reader import CheckpointReader
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.gather import check_input, copy_pieces
+from zeroshard.toolkit.gather import copy_pieces, read_whole
 from zeroshard.toolkit.plan import plan_ranks, run_arrays
 from zeroshard.toolkit.plans import Finished, Job, RankFilePlans, Task
 
@@ -72,31 +70,18 @@ def run_packed(job: Job, planner: RankFilePlans, task: Task,
     out_at = np.zeros(planner.world_size, dtype=np.int64)
     out_at[ranks] = bases[:-1]
 
-    # Inputs: each read whole, checked, placed in one buffer (8-aligned).
+    # Inputs: each read whole, checked, placed in one buffer (gather.read_whole).
     needed = np.unique(plan.input)
     files = [manifest.file_for_rank(q) for q in needed.tolist()]
-    in_base = np.cumsum([0] + [-(-f.size // 8) * 8 for f in files])
-    if in_base[-1] > TASK_INPUT_BYTES:
+    if sum(-(-f.size // 8) * 8 for f in files) > TASK_INPUT_BYTES:
         return None  # memory: the general path maps inputs through bounded windows instead
-    in_buf = bytearray(int(in_base[-1]))
-    in_view = memoryview(in_buf)
-    source, source_layouts = Location(job.source_url, job.storage_options), layouts_of(manifest)
-    for q, file, base in zip(needed.tolist(), files, in_base.tolist()):
-        data = in_view[base:base + file.size]
-        if not source.read_whole_into(file.name, data):
-            return None
-        if job.verify_hashes and xxhash.xxh3_64_hexdigest(data) != file.hash:
-            with CheckpointReader(source, manifest) as reader:  # names the tensor when a fragment hash can
-                check_input(reader, q, data, list(reader.open_file(q).header.entries))
-                raise CheckpointError(reader.where(q), "content hash mismatch (file corrupt or modified)")
-        header = source_layouts.header(q)  # the plan's input offsets assume it
-        if file.size != source_layouts.file_size(q, header) or data[:len(header)].tobytes() != header:
-            return None  # a header composed otherwise (a valid file from another writer?): parse it there
-    in_at = np.zeros(manifest.world_size, dtype=np.int64)
-    in_at[needed] = in_base[:-1]
+    read = read_whole(Location(job.source_url, job.storage_options), manifest, needed, job.verify_hashes)
+    if read is None:
+        return None
+    in_buf, in_at = read
     copy_pieces(out_buf, in_buf, in_at[plan.input] + plan.input_offset, out_at[plan.output] + plan.output_offset,
-            plan.nbytes)
-    del in_view, in_buf
+                plan.nbytes)
+    del in_buf
 
     # Hash table and file hash of each output, then one write each.
     view = memoryview(out_buf)

@@ -170,26 +170,21 @@ def run_task(job: Job, task: Task, progress: Callable[[int], None] | None = None
         # hashes taken during the copy, for whole rank files (others: none needed, or not ours)
         taken = {i: InOrderHashes(plan.header, [(t.begin, t.begin + t.nbytes) for t in plan.tensors])
                  for i, plan in plans.items() if plan.hash_table and whole}
-        # the plan's pieces: from small local inputs, mapped whole, through numpy (gather.py);
-        # from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
-        import numpy as np  # imported when a copy starts, not with the command
-
-        from zeroshard.toolkit import gather
+        # the plan's pieces: from small local inputs, read whole a batch at a time, through numpy
+        # (gather.py); from big (or remote) ones, read side by side, up to MAX_OPEN_INPUTS at once
+        from zeroshard.toolkit import gather  # numpy: imported when a copy starts, not with the command
         from zeroshard.toolkit.plan import plan_ranks
 
         plan = task.plan if task.plan is not None else plan_ranks(job.manifest, job.planner, task.outputs)
-        sizes = np.array([f.size for f in job.manifest.files], dtype=np.int64)
-        mapped = (sizes[plan.input] <= WINDOW_BYTES) if source.local else np.zeros(len(plan), dtype=bool)
-        needed = _pieces_by_input(job.manifest, plan.take(~mapped))
+        if source.local:
+            plan = gather.copy_small_inputs(source, job.manifest, plan, outputs, progress, job.verify_hashes)
+        needed = _pieces_by_input(job.manifest, plan)
         big = sorted(needed)
         with CheckpointReader(source, job.manifest, verify_hashes=job.verify_hashes) as reader:
             for at in range(0, len(big), MAX_OPEN_INPUTS):
                 group = {rank: needed.pop(rank) for rank in big[at:at + MAX_OPEN_INPUTS]}
                 _copy_side_by_side(reader, group, outputs, progress, taken)
                 reader.close()
-            for pieces, rank in gather.by_input(plan.take(mapped)):  # small local inputs, one at a time
-                gather.copy_from_input(reader, rank, pieces, outputs, progress)
-                reader.close()  # one input open at a time: its map and descriptor go now
         if not whole:
             return {}
         return {i: _finish(plans[i], outputs[i], taken.get(i)) for i in task.outputs}
