@@ -20,9 +20,9 @@ from test_roundtrip import assert_same
 # Each process takes, of every argument written "a|b", the alternative at its RANK.
 WRAPPER = """
 import os, sys
-from zeroshard.toolkit.distributed import main
+from zeroshard.cli import main
 rank = int(os.environ["RANK"])
-sys.exit(main([a.split("|")[rank] if "|" in a else a for a in sys.argv[1:]]))
+main([a.split("|")[rank] if "|" in a else a for a in sys.argv[1:]], prog_name="zeroshard")
 """
 
 

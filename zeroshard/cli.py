@@ -46,7 +46,8 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                 from zeroshard.toolkit.hints import next_step
 
                 hint = next_step(exc, options)
-            click.echo(f"zeroshard: error: {exc}" + (f"; {hint}" if hint else ""), err=True)
+            process = f" (process {_process_rank})" if _process_rank is not None else ""  # torchrun mode
+            click.echo(f"zeroshard: error{process}: {exc}" + (f"; {hint}" if hint else ""), err=True)
             sys.exit(EXIT_ERROR)
         except KeyboardInterrupt:
             click.echo("zeroshard: interrupted; nothing was committed", err=True)
@@ -214,6 +215,9 @@ def _use_torchrun(flag: bool | None) -> bool:
                or arg.endswith("torch/distributed/run.py") for arg in parent)
 
 
+_process_rank: int | None = None  # this process's rank in the torchrun mode, for its error lines
+
+
 @contextlib.contextmanager
 def _process_group() -> Iterator[int]:
     """A gloo group over torchrun's environment (TCP, no GPU) for the command; yields this rank."""
@@ -221,9 +225,11 @@ def _process_group() -> Iterator[int]:
 
     import torch.distributed as dist
 
+    global _process_rank
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
     try:
-        yield dist.get_rank()
+        _process_rank = dist.get_rank()
+        yield _process_rank
     finally:
         dist.destroy_process_group()
 

@@ -1,7 +1,6 @@
-"""`torchrun ... -m zeroshard.toolkit reshard|consolidate ...`: see zeroshard.toolkit.distributed."""
+"""`torchrun ... -m zeroshard.toolkit reshard|consolidate ...`: the `zeroshard` command, which shares
+the work among torchrun's processes by itself (zeroshard.toolkit.distributed)."""
 
-import sys
+from zeroshard.cli import main
 
-from zeroshard.toolkit.distributed import main
-
-sys.exit(main())
+main(prog_name="zeroshard")

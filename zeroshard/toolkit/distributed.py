@@ -3,6 +3,8 @@
     torchrun --nnodes 8 --nproc-per-node 16 -m zeroshard.toolkit reshard s3-or-shared/ckpt --to 2048 -o OUT
     torchrun --nnodes 4 --nproc-per-node 8 -m zeroshard.toolkit consolidate CKPT s3://bucket/hf --max-shard-size 5GB
 
+(`python -m zeroshard.toolkit` is the `zeroshard` command, which under torchrun shares the work.)
+
 No scheduler of our own: torchrun starts the processes and a gloo group (over TCP, no GPU)
 carries a few small messages. Every process reads the manifest; rank 0 prepares the output;
 the output files are dealt out as disjoint tasks (zeroshard.toolkit.transfer), each process
@@ -22,10 +24,8 @@ writes whole files.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import sys
 import uuid
 from typing import Any
 
@@ -35,7 +35,7 @@ from zeroshard.format.folder import read_manifest_bytes, resolve_checkpoint
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.identity import identity
-from zeroshard.storage.location import Location, parse_storage_options
+from zeroshard.storage.location import Location
 from zeroshard.toolkit.plan import plan_files, plan_rank_files
 from zeroshard.toolkit.plans import Finished, carried_tensors
 from zeroshard.toolkit.reshard import commit_resharded, target_of
@@ -208,58 +208,3 @@ def _on_rank0(step) -> Any:
     import torch.distributed as dist
 
     return _agree(step if dist.get_rank() == 0 else lambda: None)[0]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`torchrun ... -m zeroshard.toolkit reshard|consolidate ...` (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m zeroshard.toolkit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("reshard")
-    p.add_argument("ckpt")
-    p.add_argument("--to", type=int, required=True, dest="world_size")
-    p.add_argument("-o", "--out", required=True)
-    c = sub.add_parser("consolidate")
-    c.add_argument("ckpt")
-    c.add_argument("out")
-    c.add_argument("--max-shard-size")
-    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
-    c.add_argument("--include", action="append", metavar="GLOB")
-    c.add_argument("--exclude", action="append", metavar="GLOB")
-    c.add_argument("--strip-prefix", action="append", metavar="PREFIX")
-    c.add_argument("--config", metavar="FILE")
-    for each in (p, c):
-        each.add_argument("--overwrite", action="store_true")
-        each.add_argument("-j", "--workers", type=int, default=1, help="processes per torchrun process")
-        each.add_argument("-S", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                          help="fsspec storage option for s3:// and other remote paths (repeatable)")
-    args = parser.parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_option)
-    except ZeroshardError as exc:
-        print(f"zeroshard: error: {exc}", file=sys.stderr)
-        return 1
-
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
-    try:
-        if args.command == "reshard":
-            url = reshard_distributed(args.ckpt, args.world_size, args.out, overwrite=args.overwrite,
-                                      storage_options=options, workers=args.workers)
-            done = f"wrote {url}: {args.world_size} ranks"
-        else:
-            files = consolidate_distributed(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                                            overwrite=args.overwrite, storage_options=options,
-                                            workers=args.workers, include=args.include,
-                                            exclude=args.exclude, strip_prefix=args.strip_prefix, config=args.config)
-            done = f"wrote {len(files)} file(s) under {args.out}"
-        if dist.get_rank() == 0:
-            print(done)
-        return 0
-    except ZeroshardError as exc:
-        print(f"zeroshard: error (process {dist.get_rank()}): {exc}", file=sys.stderr)
-        return 1
-    finally:
-        dist.destroy_process_group()
