@@ -1,6 +1,7 @@
 """Every benchmark figure the README quotes is a median (or quartile) in the latest result JSON.
 
-The README's benchmark bullets each name their bench (`tools/bench_X.py`); every figure in a bullet
+The README's benchmark bullets each name their bench (`tools/bench_X.py`, or a result file
+`tools/results/bench_X_Y.json` of another run of it); every figure in a bullet
 (0.37x, 18.5%, 0.121 s, 1634 MiB) must be one of the strings tools/benchlib.figures() derives from
 tools/results/bench_X.json, so a quoted number cannot drift from the run it came from, nor be a
 best-of. tools/results/README_figures.md holds the bullets proposed for the README with the
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import benchlib  # noqa: E402
 
 FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x|%| s\b| MiB\b)")
-BENCH = re.compile(r"tools/(bench_\w+)\.py")
+BENCH = re.compile(r"tools/(?:results/)?(bench_\w+)\.(?:py|json)")  # a bench, or one of its result files
 
 
 def bullets(text: str) -> list[str]:
