@@ -57,6 +57,30 @@ def test_consolidate_reads_only_the_weights(s3_bucket):
     assert reader.bytes_read < sum(f.size for f in manifest.files) / 2
 
 
+def test_opening_a_checkpoint_asks_s3_twice(s3_bucket, s3_endpoint, s3_client):
+    """Every command and load opens the manifest: one HEAD (is it a checkpoint?) and one ranged
+    GET, not two more HEADs for its size. An empty manifest object is malformed JSON, said so."""
+    from zeroshard.errors import CheckpointError
+    from zeroshard.format import open_checkpoint
+
+    from s3_fault_proxy import FaultProxy
+
+    specs, data = training_state()
+    write_checkpoint(f"{s3_bucket}/c", specs, data, 2)
+    proxy = FaultProxy(s3_endpoint)
+    try:
+        options = {"endpoint_url": proxy.url, "skip_instance_cache": True}
+        _, manifest = open_checkpoint(f"{s3_bucket}/c", options)
+        assert manifest.world_size == 2
+        asked = [(method, path) for method, path, *_ in proxy.requests if path.endswith("zeroshard.json")]
+        assert sorted(method for method, _ in asked) == ["GET", "HEAD"], proxy.requests
+        s3_client.put_object(Bucket=s3_bucket[len("s3://"):], Key="empty/zeroshard.json", Body=b"")
+        with pytest.raises(CheckpointError, match="empty/zeroshard.json: manifest is not valid JSON"):
+            open_checkpoint(f"{s3_bucket}/empty", options)
+    finally:
+        proxy.close()
+
+
 def test_bad_input_on_s3(s3_bucket, s3_client):
     specs, data = training_state()
     write_checkpoint(f"{s3_bucket}/c", specs, data, 2)

@@ -8,7 +8,7 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
+from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -100,12 +100,24 @@ def _refuse_link(location: Location, name: str) -> None:
 
 
 def read_manifest_bytes(location: Location) -> bytes:
-    """The manifest's bytes; one over MAX_MANIFEST_BYTES is refused before it is read."""
-    size = location.size(MANIFEST_NAME)
-    if size > MAX_MANIFEST_BYTES:
-        raise CheckpointError(location.url_of(MANIFEST_NAME), f"manifest of {size} bytes is over the "
-                                                              f"{MAX_MANIFEST_BYTES} byte limit")
-    return location.read_bytes(MANIFEST_NAME)
+    """The manifest's bytes; one over MAX_MANIFEST_BYTES is refused before it is read whole. An
+    object store is asked once, with a ranged GET of at most one byte more than the limit: asking
+    its size first, then s3fs's own look before a whole-object GET, were two more round trips."""
+    where = location.url_of(MANIFEST_NAME)
+    if location.local:
+        size = location.size(MANIFEST_NAME)
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(where, f"manifest of {size} bytes is over the {MAX_MANIFEST_BYTES} byte limit")
+        return location.read_bytes(MANIFEST_NAME)
+    try:
+        data = location.read_bytes(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
+    except StorageError:
+        if location.size(MANIFEST_NAME):  # missing or unreadable: that error, as before
+            raise
+        return b""  # an empty object, of which no range is satisfiable: parsing says what is wrong
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(where, f"manifest of more than {MAX_MANIFEST_BYTES} bytes is over the byte limit")
+    return data
 
 
 def load_manifest(location: Location) -> Manifest:
