@@ -8,7 +8,7 @@ a `latest` file, which moves only after that commit.
 
 from __future__ import annotations
 
-from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
+from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -109,12 +109,7 @@ def read_manifest_bytes(location: Location) -> bytes:
         if size > MAX_MANIFEST_BYTES:
             raise CheckpointError(where, f"manifest of {size} bytes is over the {MAX_MANIFEST_BYTES} byte limit")
         return location.read_bytes(MANIFEST_NAME)
-    try:
-        data = location.read_bytes(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
-    except StorageError:
-        if location.size(MANIFEST_NAME):  # missing or unreadable: that error, as before
-            raise
-        return b""  # an empty object, of which no range is satisfiable: parsing says what is wrong
+    data = location.read_bytes(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointError(where, f"manifest of more than {MAX_MANIFEST_BYTES} bytes is over the byte limit")
     return data

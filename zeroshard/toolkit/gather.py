@@ -145,7 +145,8 @@ def copy_pieces(out_buf, in_buf, src: np.ndarray, dst: np.ndarray, nbytes: np.nd
         out_view[d:d + n] = in_view[s:s + n]
     src, dst, nbytes = src[~big], dst[~big], nbytes[~big]
     sizes, counts = np.unique(nbytes, return_counts=True)
-    for size in sizes[counts >= SAME_SIZE_PIECES].tolist():  # moved as items of that size: one memcpy each
+    common = sizes[counts >= SAME_SIZE_PIECES]
+    for size in common.tolist():  # moved as items of that size: one memcpy each
         same = nbytes == size
         item = np.dtype((np.void, size))
         target = np.ndarray((len(out_buf) - size + 1,), item, out_buf, strides=(1,))
@@ -153,7 +154,7 @@ def copy_pieces(out_buf, in_buf, src: np.ndarray, dst: np.ndarray, nbytes: np.nd
         s, d, step = src[same], dst[same], max(1, GATHER_ELEMENTS * 8 // size)
         for at in range(0, len(s), step):  # the gathered temporary stays under 8 MiB
             target[d[at:at + step]] = source[s[at:at + step]]
-    rest = ~np.isin(nbytes, sizes[counts >= SAME_SIZE_PIECES])
+    rest = ~np.isin(nbytes, common)
     src, dst, nbytes = src[rest], dst[rest], nbytes[rest]
     if not len(src):
         return
