@@ -101,3 +101,60 @@ def test_offload_optimizer_keeps_state_in_pinned_host_memory(stage: int) -> None
     assert off["masters"] == [("cpu", True)] and off["opt_state"] == ["cpu"] and off["params"] == ["cuda"]
     assert plain["masters"] == [("cuda", False)]
     assert_state_close(off["state"], plain["state"], 1e-4)  # host vs device Adam: summation order only
+
+
+def gpu_save_load(rank: int, world: int, stage: int, path: str) -> dict[str, Any]:
+    """Train, save, train on (every tensor changes), load: the state saved is the state loaded,
+    on the device, read through checkpointing/staging.py's pinned windows."""
+    import zeroshard
+
+    from test_engine_models import batches, lm_loss, make_model, micro_batch
+
+    model = make_model()
+    engine = zeroshard.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  config={"zero_optimization": {"stage": stage}})
+
+    def step(batch) -> float:
+        x, y = (t.to(engine.device) for t in micro_batch(batch, rank, world, 0, 1))
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        full = engine.full_state_dict()  # collective: every rank calls it, rank 0 gets it
+        out = {f"param/{k}": v.cpu().clone() for k, v in full.items()}
+        for _, info in engine.named_shards():
+            out[f"master/{info.name}"] = info.master.cpu().clone()
+            out.update({f"{key}/{info.name}": t.cpu().clone() for key, t in info.tensor_state.items()})
+        return out
+
+    data = list(batches(4, 16))
+    for batch in data[:2]:
+        step(batch)
+    engine.save_checkpoint(path, tag="saved")
+    saved = snapshot()
+    next_loss = step(data[2])
+    changed = snapshot()
+    engine.load_checkpoint(f"{path}/saved")
+    loaded = snapshot()
+    devices = sorted({info.master.device.type for _, info in engine.named_shards()}
+                     | {t.device.type for _, info in engine.named_shards() for t in info.tensor_state.values()})
+    return {"saved": saved, "changed": changed, "loaded": loaded, "devices": devices,
+            "next_loss": next_loss, "next_loss_after_load": step(data[2])}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_round_trip_on_the_device_is_bit_exact(stage: int, tmp_path) -> None:
+    from distributed import run_ranks
+
+    world = min(2, torch.cuda.device_count())
+    out = run_ranks(gpu_save_load, world, timeout=300, init_process_group=False, stage=stage,
+                    path=str(tmp_path / "ckpt"))
+    for r in out:
+        assert r["devices"] == ["cuda"]
+        assert sorted(r["loaded"]) == sorted(r["saved"])
+        assert any(not torch.equal(r["changed"][k], r["saved"][k]) for k in r["saved"])  # the step changed them
+        for key, value in r["saved"].items():
+            assert torch.equal(r["loaded"][key], value), key
+        assert abs(r["next_loss_after_load"] - r["next_loss"]) <= 1e-6 * abs(r["next_loss"])

@@ -9,11 +9,12 @@ that is not a tensor goes into the manifest as JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from zeroshard.checkpointing.staging import Staging
 from zeroshard.checkpointing.stateful import to_json_value
 from zeroshard.engine.contract import EngineState
 from zeroshard.format.training_state import optimizer_key, rank_state_key, scalar_json
@@ -41,6 +42,7 @@ class RankContents:
     held: dict[str, Held]
     stepped: set[str]
     manifest_fields: dict[str, Any]
+    staging: Staging | None = field(default=None, repr=False)  # device tensors' way out, made on first use
 
     def list_rank_states(self, sizes: list[int]) -> None:
         """Add every rank's rank-state blob (`sizes`, exchanged between the ranks) to the specs,
@@ -53,9 +55,13 @@ class RankContents:
         """The format writer's callback: the bytes of elements [start, end) of `spec`."""
         held = self.held[spec.name]
         part = held.tensor[start - held.start:end - held.start]
-        if part.device.type != "cpu":
-            part = part.to("cpu")
-        write(memoryview(part.contiguous().view(torch.uint8).numpy()))
+        if part.device.type == "cpu":
+            write(memoryview(part.contiguous().view(torch.uint8).numpy()))
+            return
+        if self.staging is None:
+            self.staging = Staging(part.device)
+        for window in self.staging.windows(part):  # each stays unchanged until the next write: write-behind safe
+            write(window)
 
 
 def engine_contents(state: EngineState, rank_state: bytes) -> RankContents:

@@ -8,8 +8,10 @@ read errors are agreed on by all ranks (zeroshard.agree) before anything is rest
 checkpoint raises everywhere instead of hanging a collective. What was read becomes an
 EngineState that `engine.restore()` applies; Stateful objects get theirs after it.
 
-Speed: the engine's host-memory masters and optimizer state are read into *in place* (no
-allocation, no copy: a load runs at the speed of the reads and the hashes). The price: a read
+Speed: the engine's masters and optimizer state are read into *in place* (no allocation, no
+copy: a load runs at the speed of the reads and the hashes); on a CUDA device through two
+reused pinned windows (checkpointing/staging.py), each copy to the device overlapping the next
+read. The price: a read
 that fails half-way (a hash mismatch found at the end of a fragment, an I/O error) leaves those
 tensors partly overwritten. The error says so on every rank; load a good checkpoint before
 training on. Everything that can be checked before reading (manifest, names, shapes, every
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroshard.agree import agree
+from zeroshard.checkpointing.staging import Staging
 from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restoring, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
@@ -157,15 +160,18 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
         if entry.role == "optimizer":
             optimizer_entries.setdefault(entry.param, []).append(entry)
     scalars = (manifest.optimizer or {}).get("scalar_state") or {}
+    staging = Staging(target.device) if target.device.type == "cuda" else None
     params = []
     for name in names:
         info = infos[name]
-        fragment = _read_master(reader, manifest.tensors[name], info)
+        fragment = _read_master(reader, manifest.tensors[name], info, staging)
         opt: dict[str, Any] = {}
         if load_optimizer_states and info.requires_grad:
             opt = _optimizer_state(reader, optimizer_entries.get(name, []), scalars.get(name, {}), info,
-                                   target.device)
+                                   target.device, staging)
         params.append(dataclasses.replace(info, master=fragment, optimizer_state=opt))
+    if staging is not None:
+        staging.finish()
     own = {b.name: b for b in target.buffers}
     buffers = tuple(dataclasses.replace(own[n], tensor=reader.read_flat(e).reshape(e.shape))
                     for n, e in manifest.tensors.items() if e.role == "buffer" and n in own)
@@ -216,38 +222,54 @@ def _scalar(entry: dict[str, Any], device: torch.device) -> Any:
     return entry["value"]
 
 
-def _in_place(live: Any, dtype: torch.dtype, chunk: int) -> bool:
-    """Whether a live engine tensor can be read into as it is (host memory, the padded layout)."""
-    return (torch.is_tensor(live) and live.device.type == "cpu" and live.dtype == dtype and live.dim() == 1
-            and live.numel() == chunk and live.is_contiguous())
+def _in_place(live: Any, dtype: torch.dtype, chunk: int, staging: Staging | None) -> bool:
+    """Whether a live engine tensor can be read into as it is: the padded layout, in host memory
+    or (through `staging`'s pinned windows) on the engine's device."""
+    return (torch.is_tensor(live) and live.dtype == dtype and live.dim() == 1 and live.numel() == chunk
+            and live.is_contiguous()
+            and (live.device.type == "cpu" or (staging is not None and live.device.type == staging.device.type)))
 
 
-def _read_master(reader: CheckpointReader, entry: TensorEntry, info: Any) -> torch.Tensor:
-    """Host masters are read straight into the engine's own tensor (restore() then copies
-    nothing); device masters through a host tensor."""
-    if _in_place(info.master, torch.float32, info.chunk) and entry.dtype == "F32":
+def _read(reader: CheckpointReader, entry: TensorEntry, start: int, out: torch.Tensor,
+          staging: Staging | None) -> None:
+    """Elements [start, start + out.numel()) of `entry` into the 1-D tensor `out`."""
+    if out.device.type == "cpu":
+        reader.read_into(entry, start, memoryview(out.view(torch.uint8).numpy()))
+    else:
+        assert staging is not None
+        staging.read(reader, entry, start, out)
+
+
+def _read_master(reader: CheckpointReader, entry: TensorEntry, info: Any, staging: Staging | None) -> torch.Tensor:
+    """Masters are read straight into the engine's own tensor (restore() then copies nothing):
+    on the host directly, on a CUDA device through pinned windows; others through a host tensor."""
+    if entry.dtype == "F32" and _in_place(info.master, torch.float32, info.chunk, staging):
         owned = info.end - info.start
         if owned:
-            reader.read_into(entry, info.start, memoryview(info.master[:owned].view(torch.uint8).numpy()))
+            _read(reader, entry, info.start, info.master[:owned], staging)
         return info.master
     return reader.read_flat(entry, info.start, info.end)
 
 
 def _optimizer_state(reader: CheckpointReader, entries: list[TensorEntry], scalars: dict[str, Any], info: Any,
-                     device: torch.device) -> dict[str, Any]:
+                     device: torch.device, staging: Staging | None) -> dict[str, Any]:
     """Per-element state is read straight into tensors of the engine's padded layout (`chunk`
     elements, zero padding): the engine's own where it has them (a resumed or reloaded
-    engine), else new ones, which restore(adopt=True) takes over without another copy."""
+    engine), else new ones (on the device when `staging` can fill them there), which
+    restore(adopt=True) takes over without another copy."""
     state: dict[str, Any] = {}
     owned = info.end - info.start
     for entry in entries:
         dtype = torch_dtype(entry.dtype)
         live = info.optimizer_state.get(entry.state)
-        padded = live if _in_place(live, dtype, info.chunk) else torch.empty(info.chunk, dtype=dtype, device="cpu")
+        if _in_place(live, dtype, info.chunk, staging):
+            padded = live
+        else:
+            padded = torch.empty(info.chunk, dtype=dtype, device=device if staging is not None else "cpu")
         padded[owned:].zero_()
         if owned:
-            reader.read_into(entry, info.start, memoryview(padded[:owned].view(torch.uint8).numpy()))
-        state[entry.state] = padded.to(device) if device.type != "cpu" else padded
+            _read(reader, entry, info.start, padded[:owned], staging)
+        state[entry.state] = padded if padded.device == device else padded.to(device)
     for key, value in scalars.items():
         state[key] = _scalar(value, device)
     return state

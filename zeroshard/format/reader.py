@@ -205,11 +205,15 @@ class CheckpointReader:
     def where(self, rank: int) -> str:
         return self.location.url_of(self.manifest.file_for_rank(rank).name)
 
-    def read_into(self, tensor: TensorEntry, start: int, buffer: memoryview) -> None:
+    def read_into(self, tensor: TensorEntry, start: int, buffer: memoryview, until: int | None = None) -> None:
         """Fill `buffer` with tensor elements starting at flat index `start` (len must be a
-        multiple of the item size)."""
+        multiple of the item size). `until`: where the caller's whole read ends, when it reads
+        [start, until) in several calls, front to back (complete_fragments then hashes a
+        fragment's unread rest once, at the call that ends the read, not at every call)."""
         size = tensor.itemsize
-        for rank, source_offset, target_offset, length in self._plan(tensor, start, start + len(buffer) // size):
+        end = start + len(buffer) // size
+        last = until is None or end >= until
+        for rank, source_offset, target_offset, length in self._plan(tensor, start, end):
             opened = self.open_file(rank)
             entry = opened.header.entries[tensor.name]
             out = buffer[target_offset * size:(target_offset + length) * size]
@@ -225,7 +229,7 @@ class CheckpointReader:
                 opened.reader.read_into(entry.begin + offset + at, piece)
                 if self.verify_hashes:
                     self._hash(tensor, rank, offset + at, piece)
-            if complete and offset + len(out) < entry.end - entry.begin:
+            if self.complete_fragments and last and offset + len(out) < entry.end - entry.begin:
                 self._hash_unused(tensor, rank, opened, entry, offset + len(out), entry.end - entry.begin)
             self.bytes_read += len(out)
 

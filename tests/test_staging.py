@@ -1,0 +1,101 @@
+"""checkpointing/staging.py: device tensors to and from checkpoint bytes through two host windows.
+
+On a CUDA machine the windows are pinned and the copies asynchronous (tests/test_engine_gpu.py
+checks an engine's save and load there); the windowing, the hash checks and the reuse rule are
+the same on the CPU, where these tests run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.checkpointing.staging import Staging
+from zeroshard.errors import CheckpointError
+from zeroshard.format import CheckpointReader, open_checkpoint
+from zeroshard.format.reader import fragments_of
+from zeroshard.storage.safetensors_header import torch_dtype
+
+from checkpoints import training_state, write_checkpoint
+from test_bad_input import flip_byte_in
+
+
+def test_windowed_reads_give_read_flats_bytes_for_any_range(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 3)
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    checked = 0
+    # windows smaller than an element (3 bytes), a few elements, and larger than any tensor
+    for window in (3, 20, 1 << 20):
+        staging = Staging("cpu", window_bytes=window)
+        with CheckpointReader(location, manifest) as reader:
+            for t in manifest.tensors.values():
+                if t.role == "extra":
+                    continue
+                for start, end in ((0, t.numel), (t.numel // 3, t.numel - t.numel // 4)):
+                    out = torch.full((end - start,), 7, dtype=torch_dtype(t.dtype))
+                    staging.read(reader, t, start, out)
+                    expected = reader.read_flat(t, start, end)
+                    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), (t.name, start, window)
+                    checked += 1
+        staging.finish()
+    assert checked > 60
+
+
+def test_windowed_reads_still_check_each_fragments_hash(tmp_path):
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 2)
+    rank1 = tmp_path / "c" / "rank-00001-of-00002.safetensors"
+    flip_byte_in(rank1, "embed.weight")
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    t = manifest.tensors["embed.weight"]
+    with CheckpointReader(location, manifest) as reader:
+        try:
+            Staging("cpu", window_bytes=16).read(reader, t, 0, torch.empty(t.numel))
+        except CheckpointError as exc:
+            assert rank1.name in str(exc) and "hash mismatch" in str(exc)
+        else:
+            raise AssertionError("a flipped byte read window by window was not noticed")
+
+
+def test_windows_give_a_tensors_bytes_and_alternate_two_buffers():
+    tensor = torch.arange(1000, dtype=torch.float32)
+    staging = Staging("cpu", window_bytes=1024)
+    views, held = [], []
+    for view in staging.windows(tensor[10:990]):
+        held.append(bytes(view))
+        views.append(view)
+    assert b"".join(held) == tensor[10:990].numpy().tobytes()
+    assert [len(v) for v in views] == [1024, 1024, 1024, 848]
+    # a window is reused only after the next one was handed out (what a write-behind writer needs)
+    addresses = [torch.frombuffer(v, dtype=torch.uint8).data_ptr() for v in views]
+    assert addresses[0] != addresses[1] and addresses[0] == addresses[2] and addresses[1] == addresses[3]
+
+
+def test_windowed_partial_reads_hash_each_fragments_unread_rest_once(tmp_path):
+    """A load at another world size reads part of a saved fragment: the rest is read and hashed
+    too (complete_fragments), once per read however many windows it takes."""
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 3)
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    t = manifest.tensors["embed.weight"]
+    start, end = t.numel // 3 + 5, t.numel - t.numel // 5
+    touched = list(fragments_of(t, 3, start, end))
+    assert len(touched) == 2  # the range starts inside one rank's fragment and ends inside the next
+    with CheckpointReader(location, manifest, complete_fragments=True) as reader:
+        out = torch.empty(end - start)
+        Staging("cpu", window_bytes=20).read(reader, t, start, out)
+        assert reader.bytes_read == sum(hi - lo for _, lo, hi in touched) * t.itemsize
+    assert torch.equal(out, data["embed.weight"].reshape(-1)[start:end])
+
+    rank1 = tmp_path / "c" / "rank-00001-of-00003.safetensors"
+    flip_byte_in(rank1, "embed.weight")  # in the middle of rank 1's fragment
+    rank, lo, hi = touched[0]
+    assert rank == 1 and lo < start < (lo + hi) // 2 - 2
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    with CheckpointReader(location, manifest, complete_fragments=True) as reader:
+        try:  # only rank 1's first elements are wanted: the flipped byte is in the part read to be hashed
+            Staging("cpu", window_bytes=8).read(reader, t, lo + 1, torch.empty(3))
+        except CheckpointError as exc:
+            assert rank1.name in str(exc) and "hash mismatch" in str(exc)
+        else:
+            raise AssertionError("a flipped byte in the unread rest of a fragment was not noticed")
