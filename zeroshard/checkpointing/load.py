@@ -11,11 +11,10 @@ EngineState that `engine.restore()` applies; Stateful objects get theirs after i
 Speed: the engine's masters and optimizer state are read into *in place* (no allocation, no
 copy: a load runs at the speed of the reads and the hashes); on a CUDA device through two
 reused pinned windows (checkpointing/staging.py), each copy to the device overlapping the next
-read. The price: a read
-that fails half-way (a hash mismatch found at the end of a fragment, an I/O error) leaves those
-tensors partly overwritten. The error says so on every rank; load a good checkpoint before
-training on. Everything that can be checked before reading (manifest, names, shapes, every
-needed file's header and size) is checked first.
+read. The price: a read that fails half-way (a hash mismatch found at the end of a fragment, an
+I/O error) leaves those tensors partly overwritten. The error says so on every rank; load a
+good checkpoint before training on. Everything that can be checked before reading (manifest,
+names, shapes, every needed file's header and size) is checked first.
 """
 
 from __future__ import annotations
