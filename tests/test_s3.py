@@ -83,6 +83,31 @@ def test_opening_a_checkpoint_asks_s3_twice(s3_bucket, s3_endpoint, s3_client):
         proxy.close()
 
 
+@pytest.mark.parametrize("command", [["consolidate", "{src}", "{bucket}/out.safetensors"],
+                                     ["reshard", "{src}", "--to", "3", "-o", "{bucket}/w3"],
+                                     ["consolidate", "{src}", "{bucket}/x.safetensors", "--dry-run"]])
+def test_a_command_reads_its_input_manifest_once(s3_bucket, s3_endpoint, command):
+    """The command line opens its input once and hands it to the command: its checks (reshard's
+    empty-rank check), the command and its closing line ("from ... (step N, world W)") read one
+    manifest, with one GET (each open before was a HEAD and a GET more)."""
+    from s3_fault_proxy import FaultProxy
+
+    specs, data = training_state()
+    write_checkpoint(f"{s3_bucket}/c", specs, data, 2)
+    proxy = FaultProxy(s3_endpoint)
+    try:
+        args = [a.format(src=f"{s3_bucket}/c", bucket=s3_bucket) for a in command]
+        result = CliRunner().invoke(main, [*args, "-q", "-S", f"endpoint_url={proxy.url}",
+                                           "-S", "skip_instance_cache=true"])
+        assert result.exit_code == 0, result.output
+        asked = [(method, path) for method, path, *_ in proxy.requests if path.endswith("/c/zeroshard.json")]
+        assert sorted(method for method, _ in asked) == ["GET", "HEAD"], asked
+    finally:
+        proxy.close()
+    if command[0] == "consolidate" and "--dry-run" not in command:
+        assert "world 2)" in result.output  # the closing line names the checkpoint it read
+
+
 def test_bad_input_on_s3(s3_bucket, s3_client):
     specs, data = training_state()
     write_checkpoint(f"{s3_bucket}/c", specs, data, 2)

@@ -11,12 +11,15 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import click
 
 from zeroshard import __version__
 from zeroshard.errors import ZeroshardError
+
+if TYPE_CHECKING:
+    from zeroshard.format import OpenedCheckpoint
 
 EXIT_ERROR = 1
 EXIT_VERIFY_FAILED = 3
@@ -158,17 +161,19 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
         raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
                              f"*.safetensors (one file) or give a folder (HF's layout)")
     choice = {"include": list(include), "exclude": list(exclude), "strip_prefix": list(strip_prefix)}
+    torchrun = not dry_run and _use_torchrun(distributed)
+    opened = None if torchrun else _open(ckpt, storage_options)
     if dry_run:
         from zeroshard.toolkit.consolidate import dry_run as plan_only
 
-        click.echo(plan_only(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, storage_options=storage_options,
+        click.echo(plan_only(opened, out, dtype=dtype, max_shard_size=max_shard_size, storage_options=storage_options,
                              **choice))
         return
-    source = _source(ckpt, storage_options)
     choice["config"] = config
-    if _use_torchrun(distributed):
+    if torchrun:
         from zeroshard.toolkit.distributed import consolidate_distributed
 
+        source = _source(ckpt, storage_options)
         with _process_group() as rank:
             files = consolidate_distributed(ckpt, out, max_shard_size=max_shard_size, dtype=dtype,
                                             overwrite=overwrite, storage_options=storage_options, workers=workers or 1,
@@ -176,7 +181,8 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
         if rank:
             return
     else:
-        files = run(ckpt, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+        source = opened.describe()
+        files = run(opened, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                     storage_options=storage_options, quiet=quiet, workers=workers, **choice)
     click.echo(f"wrote {len(files)} file(s): {files[0]}" + (f" .. {files[-1]}" if len(files) > 1 else "")
                + (f" from {source}" if source else ""))
@@ -185,17 +191,22 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
 NOT_SAFETENSORS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".safetensor", ".st", ".npz", ".json")
 
 
-def _source(ckpt: str, storage_options: dict) -> str | None:
-    """'FOLDER (step N, world W)': the checkpoint a path (maybe a root with `latest`) leads to.
-    None when it cannot be read: the command itself then reports why."""
-    from zeroshard.format import open_checkpoint
+def _open(ckpt: str, storage_options: dict) -> "OpenedCheckpoint":
+    """The command's input checkpoint, opened once here and handed to the command (its checks,
+    the command and its closing line then read one manifest: format.OpenedCheckpoint)."""
+    from zeroshard.format import opened_checkpoint
 
+    return opened_checkpoint(ckpt, storage_options)
+
+
+def _source(ckpt: str, storage_options: dict) -> str | None:
+    """'FOLDER (step N, world W)' in the torchrun mode, where each process opens the input itself
+    and they agree on it (toolkit/distributed.py). None when it cannot be read: the command
+    itself then reports why, on every process alike."""
     try:
-        location, manifest = open_checkpoint(ckpt, storage_options)
+        return _open(ckpt, storage_options).describe()
     except ZeroshardError:
         return None
-    step = f"step {manifest.step}, " if manifest.step is not None else ""
-    return f"{location.url} ({step}world {manifest.world_size})"
 
 
 def _use_torchrun(flag: bool | None) -> bool:
@@ -234,15 +245,14 @@ def _process_group() -> Iterator[int]:
         dist.destroy_process_group()
 
 
-def _empty_ranks(ckpt: str, world_size: int, storage_options: dict) -> tuple[int, int] | None:
+def _empty_ranks(ckpt: "str | OpenedCheckpoint", world_size: int, storage_options: dict) -> tuple[int, int] | None:
     """(ranks that would hold no element of any tensor, largest tensor's elements) at `world_size`."""
-    from zeroshard.format import open_checkpoint
     from zeroshard.partition import owning_ranks
 
     try:
-        _, manifest = open_checkpoint(ckpt, storage_options)
+        manifest = _open(ckpt, storage_options).manifest
     except ZeroshardError:
-        return None  # the command itself reports why
+        return None  # the command itself reports why (the torchrun mode: on every process alike)
     sizes = [t.numel for t in manifest.tensors.values() if t.layout == "flat" and t.numel]
     used = max((owning_ranks(n, world_size)[1] for n in sizes), default=world_size)
     return world_size - used, max(sizes, default=0)
@@ -281,16 +291,18 @@ def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, ov
     if out_arg and out and out_arg != out:
         raise ZeroshardError(f"two outputs given ({out_arg} and -o {out}): give OUT once")
     out = out_arg or out
-    empty = _empty_ranks(ckpt, world_size, storage_options) if world_size > 1 else None
+    torchrun = not dry_run and _use_torchrun(distributed)
+    opened = None if torchrun else _open(ckpt, storage_options)
+    empty = _empty_ranks(opened or ckpt, world_size, storage_options) if world_size > 1 else None
     if empty and empty[0] > world_size // 2 and not allow_empty_ranks:  # a typo'd --to, not a plan
         raise ZeroshardError(f"{ckpt}: at {world_size:,} ranks, {empty[0]:,} would hold no element of any tensor "
                              f"(the largest has {empty[1]:,}); pass --allow-empty-ranks to write them anyway")
     if dry_run:
         from zeroshard.toolkit.reshard import dry_run as plan_only
 
-        click.echo(plan_only(ckpt, world_size, out, storage_options))
+        click.echo(plan_only(opened, world_size, out, storage_options))
         return
-    if _use_torchrun(distributed):
+    if torchrun:
         from zeroshard.toolkit.distributed import reshard_distributed
 
         if not out:
@@ -301,7 +313,7 @@ def reshard(ckpt: str, out_arg: str | None, world_size: int, out: str | None, ov
         if not rank:
             click.echo(f"wrote {url}: {world_size} ranks")
         return
-    result = run(ckpt, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
+    result = run(opened, world_size, out, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
                  workers=workers)
     click.echo(f"wrote {result.location.url}: {len(result.manifest.tensors)} tensors over {world_size} ranks")
     if result.dropped:

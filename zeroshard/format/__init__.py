@@ -4,9 +4,11 @@ Shared by the toolkit and the training core; built on zeroshard.storage and zero
 """
 
 from zeroshard.format.folder import (
+    OpenedCheckpoint,
     commit_checkpoint,
     load_manifest,
     open_checkpoint,
+    opened_checkpoint,
     resolve_checkpoint,
     update_latest,
 )
@@ -31,8 +33,8 @@ from zeroshard.format.writer import RankFileResult, TensorSpec, build_manifest, 
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LATEST_NAME", "MANIFEST_NAME", "CheckpointReader", "FileEntry", "Fragment",
-    "HASH_TABLE_NAME", "Manifest", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest", "check_header",
-    "check_manifest",
-    "commit_checkpoint", "load_manifest", "open_checkpoint", "owned_range", "parse_manifest",
+    "HASH_TABLE_NAME", "Manifest", "OpenedCheckpoint", "RankFileResult", "TensorEntry", "TensorSpec", "build_manifest",
+    "check_header", "check_manifest",
+    "commit_checkpoint", "load_manifest", "open_checkpoint", "opened_checkpoint", "owned_range", "parse_manifest",
     "rank_contents", "rank_file_name", "resolve_checkpoint", "update_latest", "write_rank_file",
 ]

@@ -18,7 +18,7 @@ import os
 import re
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import open_checkpoint
+from zeroshard.format import OpenedCheckpoint, opened_checkpoint
 from zeroshard.format.full_model import HF_INDEX_NAME, split_file_url
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_file_output, prepare_output
@@ -32,22 +32,24 @@ CONFIG_NAME = "config.json"
 
 
 @output_transaction
-def consolidate(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
+def consolidate(ckpt: str | OpenedCheckpoint, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
                 overwrite: bool = False, storage_options: dict | None = None, quiet: bool = True,
                 workers: int | None = 1, include: list[str] | None = None, exclude: list[str] | None = None,
                 strip_prefix: list[str] | None = None, config: str | None = None) -> list[str]:
     """Write the model's weights at `out`; returns the URLs of the files written,
     config.json last when one is written (`workers=None`: auto_workers).
     include/exclude: globs on tensor names; strip_prefix: leading prefixes removed from output names;
-    config: a JSON file written as the folder's config.json (default: the checkpoint's model config)."""
-    ckpt, out = os.fspath(ckpt), os.fspath(out)  # any os.PathLike
+    config: a JSON file written as the folder's config.json (default: the checkpoint's model config).
+    `ckpt`: a path (any os.PathLike), or a checkpoint the caller opened (format.opened_checkpoint)."""
+    out = os.fspath(out)
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
-    source, manifest = open_checkpoint(ckpt, storage_options)
+    opened = opened_checkpoint(ckpt, storage_options)
+    source, manifest = opened.location, opened.manifest
     folder, names, shards, total, single_file = plan(source, manifest, out, dtype=dtype, max_shard_size=max_shard_size,
                                                      include=include, exclude=exclude, strip_prefix=strip_prefix)
     config_bytes = model_config(manifest, config, single_file, out)  # checked before anything is written
-    output = prepare(folder, names, single_file, overwrite, [Location(ckpt, storage_options), source])
+    output = prepare(folder, names, single_file, overwrite, [opened.given, source])
     if workers is None:
         workers = auto_workers(manifest.world_size, total)
     with byte_bar(total, "consolidate", quiet) as bar:
@@ -67,13 +69,14 @@ def plan(source: Location, manifest: Manifest, out: str, *, dtype: str | None, m
     return folder, names, shards, sum(t.nbytes for t in tensors), single_file
 
 
-def dry_run(ckpt: str, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
+def dry_run(ckpt: str | OpenedCheckpoint, out: str, *, dtype: str | None = None, max_shard_size: str | None = None,
             storage_options: dict | None = None, include: list[str] | None = None, exclude: list[str] | None = None,
             strip_prefix: list[str] | None = None) -> str:
     """What `consolidate` would read and write, from the manifest alone: nothing is written."""
     from zeroshard.toolkit.plan import plan_files  # numpy: only when asked
 
-    source, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
+    opened = opened_checkpoint(ckpt, storage_options)
+    source, manifest = opened.location, opened.manifest
     folder, names, shards, total, _ = plan(source, manifest, os.fspath(out), dtype=dtype, max_shard_size=max_shard_size,
                                            include=include, exclude=exclude, strip_prefix=strip_prefix)
     return (f"dry run: {source.url} -> {folder.url}: {len(names)} file(s), {total:,} bytes of weights; nothing "

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import RankFileResult, build_manifest, open_checkpoint, update_latest
+from zeroshard.format import OpenedCheckpoint, RankFileResult, build_manifest, opened_checkpoint, update_latest
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.location import Location
@@ -61,16 +61,17 @@ def commit_resharded(output: PreparedOutput, manifest: Manifest, specs: list[Ten
 
 
 @output_transaction
-def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bool = False,
+def reshard(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = None, *, overwrite: bool = False,
             storage_options: dict | None = None, quiet: bool = True, workers: int | None = 1) -> ReshardResult:
-    """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out` (`workers=None`: auto_workers)."""
-    ckpt, out = os.fspath(ckpt), None if out is None else os.fspath(out)  # any os.PathLike
+    """Rewrite the checkpoint at `ckpt` for `world_size` ranks at `out` (`workers=None`: auto_workers).
+    `ckpt`: a path (any os.PathLike), or a checkpoint the caller opened (format.opened_checkpoint)."""
+    out = None if out is None else os.fspath(out)
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
     if workers is not None and workers < 1:
         raise ZeroshardError(f"--workers must be at least 1, got {workers}")
-    given = Location(ckpt, storage_options)
-    source, manifest = open_checkpoint(given)
+    opened = opened_checkpoint(ckpt, storage_options)
+    given, source, manifest = opened.given, opened.location, opened.manifest
     specs = carried_tensors(manifest, world_size)
     kept = {t.name for t in specs}
     dropped = [name for name in manifest.tensors if name not in kept]
@@ -90,14 +91,15 @@ def reshard(ckpt: str, world_size: int, out: str | None = None, *, overwrite: bo
     return ReshardResult(new, target, dropped)
 
 
-def dry_run(ckpt: str, world_size: int, out: str | None = None, storage_options: dict | None = None) -> str:
+def dry_run(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = None,
+            storage_options: dict | None = None) -> str:
     """What `reshard` would read and write, from the manifest alone: nothing is written."""
     from zeroshard.toolkit.plan import make_plan  # numpy: only when asked
 
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
-    given = Location(os.fspath(ckpt), storage_options)
-    source, manifest = open_checkpoint(given)
+    opened = opened_checkpoint(ckpt, storage_options)
+    given, source, manifest = opened.given, opened.location, opened.manifest
     out_url = out or default_output(given.url, world_size)
     return (f"dry run: {source.url} ({manifest.world_size} ranks) -> {out_url} ({world_size} ranks); nothing written\n"
             + make_plan(manifest, world_size).describe())
