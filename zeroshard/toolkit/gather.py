@@ -37,11 +37,18 @@ def copy_small_inputs(source: "Location", manifest: "Manifest", plan: Any, outpu
     files at a time; returns the other pieces (bigger files, or a batch with a file read_whole
     would not take: transfer's checked path then reads it, or names what is wrong)."""
     sizes = np.array([f.size for f in manifest.files], dtype=np.int64)
-    ranks = np.unique(plan.input[sizes[plan.input] <= WHOLE_HASH_BYTES])
+    used = np.bincount(plan.input, minlength=len(sizes)) > 0
+    ranks = np.flatnonzero(used & (sizes <= WHOLE_HASH_BYTES))
     ends = np.cumsum(sizes[ranks])
-    left = ~np.isin(plan.input, ranks)
-    for batch in np.split(ranks, np.flatnonzero(np.diff(ends // BATCH_BYTES)) + 1) if len(ranks) else []:
-        mine = np.isin(plan.input, batch)
+    batches = np.split(ranks, np.flatnonzero(np.diff(ends // BATCH_BYTES)) + 1) if len(ranks) else []
+    # each piece's batch, found once (a membership test per batch costs a pass over every piece)
+    batch_of = np.full(len(sizes), -1, dtype=np.int64)
+    for k, batch in enumerate(batches):
+        batch_of[batch] = k
+    piece_batch = batch_of[plan.input]
+    left = piece_batch < 0
+    for k, batch in enumerate(batches):
+        mine = piece_batch == k
         read = read_whole(source, manifest, batch, verify)
         if read is None:
             left |= mine

@@ -228,7 +228,7 @@ def _plan(manifest: Manifest, outputs: FixedPlans | RankFilePlans, sizes: list[i
 def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) -> np.ndarray:
     """Where tensor[i]'s fragment starts in input file rank[i], as a zeroshard writer lays it out."""
     layouts = layouts_of(manifest)  # shared with the executor's reader
-    needed = np.unique(rank)
+    needed = np.flatnonzero(np.bincount(rank, minlength=manifest.world_size))  # sorted, as np.unique, in O(n)
     data_at = np.zeros(manifest.world_size, dtype=np.int64)
     data_at[needed] = [len(layouts.header(q)) for q in needed.tolist()]
     runs = np.searchsorted(np.asarray(layouts.starts, dtype=np.int64), needed, side="right") - 1
