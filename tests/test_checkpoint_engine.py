@@ -101,8 +101,12 @@ def test_offline_reshard_then_resume_at_world2_stage2(world4, tmp_path):
     assert_state_close(resumed[0]["state"], world4["rank0"]["state"], 1e-5)
 
 
-def test_load_time_reshard_at_world3_stage1(world4):
-    resumed = run_ranks(run, 3, timeout=240, stage=1, steps=2 * K, resume=world4["ckpt"])
+@pytest.mark.parametrize("ranks_here", ["100000", "1"], ids=["hashed-inline", "hashed-behind"])
+def test_load_time_reshard_at_world3_stage1(world4, ranks_here):
+    """Also with the load's hashing on a thread behind its reads (a core to spare: one rank per
+    node, as LOCAL_WORLD_SIZE says; checkpointing.load.spare_core)."""
+    resumed = run_ranks(run, 3, timeout=240, stage=1, steps=2 * K, resume=world4["ckpt"],
+                        env={"LOCAL_WORLD_SIZE": ranks_here})
     assert_losses_close(resumed[0]["losses"], world4["rank0"]["losses"][K:], 1e-5)
     assert_state_close(resumed[0]["state"], world4["rank0"]["state"], 1e-5)
 

@@ -247,7 +247,10 @@ def test_async_saves_are_copy_on_write(tmp_path, slow_writer):
         assert all(r["copied"] == 0 for r in result)  # nothing to protect: no copy at all
 
 
-def load_anywhere(rank: int, world: int, path: str) -> str:
+def load_anywhere(rank: int, world: int, path: str, behind: bool | None = None) -> str:
+    from zeroshard.checkpointing.load import spare_core
+
+    assert behind is None or spare_core(world) == behind  # the reader hashes on a thread, or not
     engine = _engine(seed=5)
     try:
         engine.load_checkpoint(path)
@@ -256,15 +259,23 @@ def load_anywhere(rank: int, world: int, path: str) -> str:
     return "loaded"
 
 
+# LOCAL_WORLD_SIZE: ranks on this node, against its cores (checkpointing.load.spare_core)
+BEHIND = {True: {"LOCAL_WORLD_SIZE": "1"}, False: {"LOCAL_WORLD_SIZE": "100000"}}
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["hashed-inline", "hashed-behind"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_flipped_byte_is_caught_by_a_load_at_any_world_size(tmp_path, world):
+def test_a_flipped_byte_is_caught_by_a_load_at_any_world_size(tmp_path, world, behind):
     """At another world size a rank reads only parts of the saved fragments; their hashes cover
-    whole fragments, so the loader reads the rest too (into scratch) to check them."""
+    whole fragments, so the loader reads the rest too (into scratch) to check them. With a core
+    to spare the hashing runs on a thread behind the reads: the mismatch is still every rank's
+    error, before the engine is restored."""
     from test_bad_input import flip_byte_in
 
     run_ranks(save_for_size, 2, timeout=120, path=str(tmp_path / "ck"))
     flip_byte_in(tmp_path / "ck" / "t" / "rank-00000-of-00002.safetensors", "0.weight")
-    result = run_ranks(load_anywhere, world, timeout=120, path=str(tmp_path / "ck" / "t"))
+    result = run_ranks(load_anywhere, world, timeout=120, path=str(tmp_path / "ck" / "t"), behind=behind,
+                       env=BEHIND[behind])
     assert all(r != "loaded" for r in result), result
     assert any("0.weight" in r and "hash mismatch" in r for r in result), result
 

@@ -99,3 +99,45 @@ def test_windowed_partial_reads_hash_each_fragments_unread_rest_once(tmp_path):
             assert rank1.name in str(exc) and "hash mismatch" in str(exc)
         else:
             raise AssertionError("a flipped byte in the unread rest of a fragment was not noticed")
+
+
+def test_reads_hashed_behind_give_the_same_bytes_and_catch_a_flipped_byte(tmp_path):
+    """CheckpointReader(hash_behind=True): the hashing runs on a thread while the next read goes
+    on; whole and partial reads (complete_fragments), straight or through windows, give the bytes
+    an inline-hashing reader gives, and a flipped byte is an error naming the file and tensor, at
+    settle() or at the latest when the `with` block is left, never dropped."""
+    import pytest
+
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 3)
+    location, manifest = open_checkpoint(str(tmp_path / "c"))
+    tensors = [t for t in manifest.tensors.values() if t.role != "extra"]
+    with CheckpointReader(location, manifest, complete_fragments=True) as inline, \
+            CheckpointReader(location, manifest, complete_fragments=True, hash_behind=True) as behind:
+        assert behind.hash_mark() == 0
+        for t in tensors:
+            for start, end in ((0, t.numel), (t.numel // 3, t.numel - t.numel // 4)):
+                want = inline.read_flat(t, start, end)
+                got = torch.full((end - start,), 7, dtype=want.dtype)
+                if end > start:
+                    behind.read_into(t, start, memoryview(got.view(torch.uint8).numpy()))
+                windowed = torch.full_like(got, 7)
+                Staging("cpu", window_bytes=24).read(behind, t, start, windowed)
+                behind.settle()
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (t.name, start)
+                assert torch.equal(windowed.view(torch.uint8), want.view(torch.uint8)), (t.name, start)
+        assert behind.hash_mark() > 0  # the hashing did go to the thread
+
+    rank1 = tmp_path / "c" / "rank-00001-of-00003.safetensors"
+    flip_byte_in(rank1, "embed.weight")
+    t = manifest.tensors["embed.weight"]
+    owned = [(s, e) for r, s, e in fragments_of(t, 3) if r == 1][0]
+    with pytest.raises(CheckpointError, match=f"{rank1.name}.*embed.weight.*hash mismatch"):
+        with CheckpointReader(location, manifest, hash_behind=True) as reader:
+            out = torch.empty(owned[1] - owned[0])
+            reader.read_into(t, owned[0], memoryview(out.view(torch.uint8).numpy()))
+            reader.settle()
+    with pytest.raises(CheckpointError, match=f"{rank1.name}.*embed.weight.*hash mismatch"):
+        with CheckpointReader(location, manifest, hash_behind=True) as reader:  # no settle: leaving checks
+            out = torch.empty(owned[1] - owned[0])
+            reader.read_into(t, owned[0], memoryview(out.view(torch.uint8).numpy()))

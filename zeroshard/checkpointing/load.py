@@ -20,6 +20,7 @@ names, shapes, every needed file's header and size) is checked first.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -86,7 +87,8 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         # checked before reading, like every manifest field
         legacy_rng = legacy_rng_json(manifest, target.rank, location.url_of(MANIFEST_NAME)) if same_world else {}
         # at another world size this rank reads parts of saved fragments: hash the rest too
-        with CheckpointReader(location, manifest, complete_fragments=True) as reader:
+        with CheckpointReader(location, manifest, complete_fragments=True,
+                              hash_behind=spare_core(target.world_size)) as reader:
             open_needed_files(reader, manifest, target, names)
             reading = True
             loaded = read_engine_state(fields, manifest, reader, names, load_optimizer_states=load_optimizer_states)
@@ -137,6 +139,15 @@ def _load_error(exc: Exception, where: str, overwritten: bool) -> ZeroshardError
     return CheckpointError(where, problem)
 
 
+def spare_core(world_size: int) -> bool:
+    """Whether a rank has a core to hash on while it reads (CheckpointReader's hash_behind):
+    more usable cores than ranks on this node (LOCAL_WORLD_SIZE, as torchrun sets it; else the
+    whole world, as if every rank were here)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or world_size
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > ranks_here
+
+
 def open_needed_files(reader: CheckpointReader, manifest: Manifest, target: EngineState, names: list[str]) -> None:
     """Open (and check the header and size of) every file holding this rank's ranges, before a
     byte is read into the engine."""
@@ -169,6 +180,7 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
             opt = _optimizer_state(reader, optimizer_entries.get(name, []), scalars.get(name, {}), info,
                                    target.device, staging)
         params.append(dataclasses.replace(info, master=fragment, optimizer_state=opt))
+    reader.settle()  # every byte read into the engine is verified before it is used
     if staging is not None:
         staging.finish()
     own = {b.name: b for b in target.buffers}

@@ -11,7 +11,8 @@ next is read.
 Windows alternate, so the one handed out before the current one stays untouched: what a
 write-behind writer needs (storage.AtomicWriter: a write's data must not change until the next
 write), and what an asynchronous host-to-device copy needs before its window is read into again
-(each window's copy is waited for first).
+(each window's copy is waited for first), and what a reader hashing behind needs (each
+window's hashing is waited for first: CheckpointReader(hash_behind=True)).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Staging:
         self._pinned = self.device.type == "cuda"
         self._windows: list[torch.Tensor | None] = [None, None]
         self._copies: list[Any] = [None, None]  # the CUDA event of each window's last device copy
+        self._marks = [0, 0]  # the reader's hash mark after each window's last read (hash behind)
         self._turn = 0
 
     def _window(self, nbytes: int) -> torch.Tensor:
@@ -55,7 +57,9 @@ class Staging:
         for at in range(0, raw.numel(), step):
             n = min(step, raw.numel() - at)
             window = self._window(n)
+            reader.settle(self._marks[self._turn])  # its last bytes hashed before they are overwritten
             reader.read_into(entry, start + at // size, memoryview(window.numpy()), until=start + raw.numel() // size)
+            self._marks[self._turn] = reader.hash_mark()
             raw[at:at + n].copy_(window, non_blocking=self._pinned)
             if self._pinned:
                 event = torch.cuda.Event()

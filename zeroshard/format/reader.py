@@ -19,7 +19,7 @@ from zeroshard.format.layouts import RankLayouts, layouts_of
 from zeroshard.format.manifest import FORMAT_NAME, HASH_TABLE_NAME, FileEntry, Manifest, TensorEntry, rank_contents
 from zeroshard.format.writer import parse_hash_table
 from zeroshard.partition import holders
-from zeroshard.storage.hashing import new_hasher
+from zeroshard.storage.hashing import HashingThread, new_hasher
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import Header, HeaderEntry, build_header_bytes, read_header
 
@@ -133,6 +133,7 @@ def read_rank_header(reader: RangeReader, file: FileEntry, manifest: Manifest, s
 
 
 HASHED_READ_BYTES = 1 << 20
+HASHED_BEHIND_BYTES = 4 << 20  # hashed on another core: fewer, larger jobs (no cache to stay in)
 
 
 @dataclass
@@ -146,11 +147,16 @@ class CheckpointReader:
     """Ranged, verified reads from one checkpoint. Use as a context manager."""
 
     def __init__(self, location: Location, manifest: Manifest, verify_hashes: bool = True,
-                 complete_fragments: bool = False):
+                 complete_fragments: bool = False, hash_behind: bool = False):
         """complete_fragments: a read_into that covers only part of a saved fragment also reads
         (into scratch) and hashes the rest of it, so every byte it returns is verified. For
         callers that read each (tensor, rank) range once, such as a load at another world size;
-        readers that read whole fragments (the toolkit) never need it."""
+        readers that read whole fragments (the toolkit) never need it.
+        hash_behind (local files): read_into hands its hashing to a background thread, and the
+        next read overlaps it. Its buffers must then stay unchanged, and unused, until `settle()`
+        returns; leaving the `with` block settles too. [Note: hash behind] For a caller with a
+        core to spare, such as an engine load with fewer ranks than cores on the node: with one
+        rank per core, the thread would only take turns with the reads."""
         self.location = location
         self.manifest = manifest
         self.verify_hashes = verify_hashes
@@ -164,6 +170,7 @@ class CheckpointReader:
         self._buffers = [bytearray(), bytearray()]
         self._turn = 0
         self._lent: list[tuple[RangeReader, int, int]] = []  # zero-copy views handed out, oldest first
+        self._behind = HashingThread() if hash_behind and self.verify_hashes and location.local else None
         self.bytes_read = 0
 
     def open_file(self, rank: int) -> OpenFile:
@@ -221,6 +228,7 @@ class CheckpointReader:
             # Locally, read and hash in pieces that are still in the CPU cache when hashed: a
             # verified read then costs ~1.2x an unverified one instead of ~1.5x (docs/BENCHMARKS.md).
             step = HASHED_READ_BYTES if self.verify_hashes and self.location.local else max(1, len(out))
+            step = HASHED_BEHIND_BYTES if self._behind is not None else step
             complete = self.complete_fragments and (tensor.name, rank) not in self._hashing
             if complete and offset > 0:
                 self._hash_unused(tensor, rank, opened, entry, 0, offset)
@@ -228,14 +236,16 @@ class CheckpointReader:
                 piece = out[at: at + step]
                 opened.reader.read_into(entry.begin + offset + at, piece)
                 if self.verify_hashes:
-                    self._hash(tensor, rank, offset + at, piece)
+                    self._hash(tensor, rank, offset + at, piece, behind=True)
             if self.complete_fragments and last and offset + len(out) < entry.end - entry.begin:
                 self._hash_unused(tensor, rank, opened, entry, offset + len(out), entry.end - entry.begin)
             self.bytes_read += len(out)
 
     def _hash_unused(self, tensor: TensorEntry, rank: int, opened: OpenFile, entry: HeaderEntry, begin: int,
                      end: int) -> None:
-        """Read bytes [begin, end) of a fragment that the caller does not want, only to hash them."""
+        """Read bytes [begin, end) of a fragment that the caller does not want, only to hash them
+        (here, in order after the fragment's hashing behind: the scratch buffer is reused)."""
+        self.settle()
         scratch = memoryview(bytearray(min(HASHED_READ_BYTES, end - begin)))
         for at in range(begin, end, len(scratch)):
             piece = scratch[: min(len(scratch), end - at)]
@@ -253,7 +263,18 @@ class CheckpointReader:
         out = torch.empty(end - start, dtype=torch_dtype(tensor.dtype))
         if end > start:
             self.read_into(tensor, start, memoryview(out.view(torch.uint8).numpy()))
+            self.settle()  # the caller uses it at once
         return out
+
+    def hash_mark(self) -> int:
+        """A mark for settle(upto=): what read_into has handed to the hashing thread so far."""
+        return 0 if self._behind is None else self._behind.submitted
+
+    def settle(self, upto: int | None = None) -> None:
+        """With hash_behind: wait until the bytes read before mark `upto` (default: everything
+        read) are hashed, and raise the first mismatch found. Without it, returns at once."""
+        if self._behind is not None:
+            self._behind.settle(upto)
 
     def iter_range(self, tensor: TensorEntry, start: int, end: int,
                    chunk_bytes: int | None = None) -> Iterator[memoryview]:
@@ -345,7 +366,9 @@ class CheckpointReader:
                     lender.release(lent_at, lent_length)
                 yield view
 
-    def _hash(self, tensor: TensorEntry, rank: int, offset: int, data: memoryview) -> None:
+    def _hash(self, tensor: TensorEntry, rank: int, offset: int, data: memoryview, behind: bool = False) -> None:
+        """Hash `data` (bytes [offset, ...) of the fragment) into its fragment's running hash and,
+        at the fragment's end, check it; `behind`: on the hashing thread, when there is one."""
         key = (tensor.name, rank)
         if key in self._unverified:
             return
@@ -356,18 +379,24 @@ class CheckpointReader:
             return
         if hasher is None:
             hasher = new_hasher()
-        hasher.update(data)
         position = offset + len(data)
         entry = self.open_file(rank).header.entries[tensor.name]
+        recorded = None
         if position == entry.end - entry.begin:
             self._hashing.pop(key, None)
-            if hasher.hexdigest() != self.fragment_hash(tensor.name, rank):
-                raise CheckpointError(self.where(rank),
-                                      f"tensor {tensor.name!r}: content hash mismatch (file corrupt or modified)")
+            recorded = self.fragment_hash(tensor.name, rank)
         else:
             self._hashing[key] = (hasher, position)
+        job = (hasher, data, recorded, self, rank, tensor.name)
+        if behind and self._behind is not None:
+            self._behind.submit(_update_and_check, *job)
+        else:
+            self.settle()  # the fragment's earlier pieces may still be on the hashing thread
+            _update_and_check(*job)
 
     def close(self) -> None:
+        if self._behind is not None:
+            self._behind.close()  # no job may outlive the buffers it reads
         for opened in self._open.values():
             opened.reader.close()
         self._open.clear()
@@ -375,8 +404,20 @@ class CheckpointReader:
     def __enter__(self) -> "CheckpointReader":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self.settle()  # a mismatch found behind is never dropped
+        finally:
+            self.close()
+
+
+def _update_and_check(hasher: object, data: memoryview, recorded: str | None, reader: CheckpointReader, rank: int,
+                      name: str) -> None:
+    """Add `data` to a fragment's running hash; with `recorded` (the fragment's end), check it."""
+    hasher.update(data)
+    if recorded is not None and hasher.hexdigest() != recorded:
+        raise CheckpointError(reader.where(rank), f"tensor {name!r}: content hash mismatch (file corrupt or modified)")
 
 
 def read_hash_table(reader: RangeReader, header: Header) -> dict[str, str]:

@@ -8,6 +8,10 @@ against a forger, which is not the threat a checkpoint faces.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
 import xxhash
 
 HASH_ALGORITHM = "xxh3-64"
@@ -63,3 +67,35 @@ def xxh3_int(data: bytes | memoryview) -> int:
     """The hash of one buffer as an integer: the hash-table form, with no hex string made and
     parsed per fragment (a 1,000-rank reshard hashes 300,000 of them)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+class HashingThread:
+    """Hash work run in submission order on one background thread, so that a reader's next read
+    overlaps the hashing of the bytes it just read (xxhash releases the GIL). A submitted buffer
+    must stay unchanged until `settle` has covered it. The first error a job raises is kept and
+    raised by every later `settle`: nothing read is trusted before its settle returns."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zeroshard-hash")
+        self._pending: deque[Future] = deque()
+        self._settled = 0  # jobs waited for
+        self._error: BaseException | None = None
+        self.submitted = 0  # jobs handed in: a mark for settle(upto=)
+
+    def submit(self, job: Callable[..., Any], *args: Any) -> None:
+        self._pending.append(self._pool.submit(job, *args))
+        self.submitted += 1
+
+    def settle(self, upto: int | None = None) -> None:
+        """Wait for the jobs handed in before mark `upto` (default: all); raise the first error."""
+        upto = self.submitted if upto is None else upto
+        while self._settled < upto and self._pending:
+            error = self._pending.popleft().exception()
+            self._settled += 1
+            self._error = self._error or error
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Wait for every job (their buffers may be freed after this), raising nothing."""
+        self._pool.shutdown(wait=True)
