@@ -85,11 +85,13 @@ def test_opening_a_checkpoint_asks_s3_twice(s3_bucket, s3_endpoint, s3_client):
 
 @pytest.mark.parametrize("command", [["consolidate", "{src}", "{bucket}/out.safetensors"],
                                      ["reshard", "{src}", "--to", "3", "-o", "{bucket}/w3"],
-                                     ["consolidate", "{src}", "{bucket}/x.safetensors", "--dry-run"]])
+                                     ["consolidate", "{src}", "{bucket}/x.safetensors", "--dry-run"],
+                                     ["inspect", "{src}", "--tensors"]])
 def test_a_command_reads_its_input_manifest_once(s3_bucket, s3_endpoint, command):
     """The command line opens its input once and hands it to the command: its checks (reshard's
-    empty-rank check), the command and its closing line ("from ... (step N, world W)") read one
-    manifest, with one GET (each open before was a HEAD and a GET more)."""
+    empty-rank check), the command and its closing line ("from ... (step N, world W)"), or
+    inspect's summary and tensor list, read one manifest, with one GET (each open before was a
+    HEAD and a GET more)."""
     from s3_fault_proxy import FaultProxy
 
     specs, data = training_state()

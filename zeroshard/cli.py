@@ -332,11 +332,12 @@ def inspect(ckpt: str, as_json: bool, tensors: str | None, storage_options: dict
     bytes per rank, dtypes, optimizer. Reads no tensor data."""
     from zeroshard.toolkit.inspect import format_summary, inspect_checkpoint
 
-    info = inspect_checkpoint(ckpt, storage_options=storage_options)
+    opened = _open(ckpt, storage_options)  # one manifest read for the summary and the tensor list
+    info = inspect_checkpoint(opened)
     if tensors is not None:
         from zeroshard.toolkit.listing import format_tensors, list_tensors
 
-        info["tensor_list"] = list_tensors(info["location"], tensors, storage_options=storage_options)
+        info["tensor_list"] = list_tensors(opened, tensors)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return

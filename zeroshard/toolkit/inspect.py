@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from typing import Any
 
-from zeroshard.format import open_checkpoint
+from zeroshard.format import OpenedCheckpoint, opened_checkpoint
 
 
-def inspect_checkpoint(ckpt: str, *, storage_options: dict | None = None) -> dict[str, Any]:
-    """A JSON-able summary: world size, stage, step, parameter count, bytes per rank, dtypes, optimizer."""
-    ckpt = os.fspath(ckpt)  # any os.PathLike
-    location, m = open_checkpoint(ckpt, storage_options)
+def inspect_checkpoint(ckpt: str | OpenedCheckpoint, *, storage_options: dict | None = None) -> dict[str, Any]:
+    """A JSON-able summary: world size, stage, step, parameter count, bytes per rank, dtypes, optimizer.
+    `ckpt`: a path (any os.PathLike), or a checkpoint the caller opened (format.opened_checkpoint)."""
+    opened = opened_checkpoint(ckpt, storage_options)
+    location, m = opened.location, opened.manifest
     params = [t for t in m.tensors.values() if t.role == "param"]
     bytes_by_role: dict[str, int] = defaultdict(int)
     dtypes: dict[str, Counter] = defaultdict(Counter)

@@ -6,16 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
-from zeroshard.format import open_checkpoint
+from zeroshard.format import OpenedCheckpoint, opened_checkpoint
 from zeroshard.format.folder import MAX_LATEST_BYTES, load_manifest
 from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, is_rank_file_name
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.toolkit.load import select
 
 
-def list_tensors(ckpt: str, pattern: str = "*", *, storage_options: dict | None = None) -> list[dict[str, Any]]:
+def list_tensors(ckpt: str | OpenedCheckpoint, pattern: str = "*", *,
+                 storage_options: dict | None = None) -> list[dict[str, Any]]:
     """Name, role, dtype, shape and layout of each tensor whose name matches `pattern` (a glob)."""
-    _, manifest = open_checkpoint(ckpt, storage_options)
+    manifest = opened_checkpoint(ckpt, storage_options).manifest
     rows = []
     for name in select(manifest.tensors, pattern):
         t = manifest.tensors[name]
