@@ -154,9 +154,9 @@ class CheckpointReader:
         readers that read whole fragments (the toolkit) never need it.
         hash_behind (local files): read_into hands its hashing to a background thread, and the
         next read overlaps it. Its buffers must then stay unchanged, and unused, until `settle()`
-        returns; leaving the `with` block settles too. [Note: hash behind] For a caller with a
-        core to spare, such as an engine load with fewer ranks than cores on the node: with one
-        rank per core, the thread would only take turns with the reads."""
+        returns; leaving the `with` block settles too. For a caller with a core to spare, such
+        as an engine load with fewer ranks than cores on the node: with one rank per core, the
+        thread would only take turns with the reads."""
         self.location = location
         self.manifest = manifest
         self.verify_hashes = verify_hashes
