@@ -7,6 +7,7 @@ the same on the CPU, where these tests run.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zeroshard.checkpointing.staging import Staging
@@ -106,8 +107,6 @@ def test_reads_hashed_behind_give_the_same_bytes_and_catch_a_flipped_byte(tmp_pa
     on; whole and partial reads (complete_fragments), straight or through windows, give the bytes
     an inline-hashing reader gives, and a flipped byte is an error naming the file and tensor, at
     settle() or at the latest when the `with` block is left, never dropped."""
-    import pytest
-
     specs, data = training_state()
     write_checkpoint(str(tmp_path / "c"), specs, data, 3)
     location, manifest = open_checkpoint(str(tmp_path / "c"))

@@ -388,10 +388,12 @@ class CheckpointReader:
         else:
             self._hashing[key] = (hasher, position)
         job = (hasher, data, recorded, self, rank, tensor.name)
-        if behind and self._behind is not None:
+        if self._behind is None:  # the toolkit's readers: no thread, nothing to wait for
+            _update_and_check(*job)
+        elif behind:
             self._behind.submit(_update_and_check, *job)
         else:
-            self.settle()  # the fragment's earlier pieces may still be on the hashing thread
+            self._behind.settle()  # the fragment's earlier pieces may still be on the hashing thread
             _update_and_check(*job)
 
     def close(self) -> None:
