@@ -14,8 +14,9 @@ after a barrier; the table gives the median over the reps and [min, max]:
   memory commit R=1     save_memory() .. wait(): own file on tmpfs + the replica on the peer node
   memory commit R=0     the same without a replica (another Checkpointer, replicas=0)
   replica floor         the bytes R=1 moves, by plain gloo send/recv alone (each rank file to the
-                        other node, one after the other, received into a sparse tmpfs file as the
-                        tier does): on one host, R=1 cannot cost less than R=0 plus this
+                        other node, one after the other, in the tier's chunks, received into one
+                        buffer touched beforehand and written nowhere): on one host, R=1 cannot
+                        cost less than R=0 plus this
   steps                 --steps training steps, nothing saving
   steps during R=1 save the same steps right after save_memory() returned (replica in flight)
   load local memory     Checkpointer.load() with tiers: every rank reads its own node's copy
@@ -165,22 +166,23 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         timed("memory commit R=0", lambda: (none.save_memory(tag="t"), none.wait()))
 
     def replica_floor() -> None:
-        from zeroshard.checkpointing.replicas import map_file
+        import torch
+
+        from zeroshard.checkpointing.replicas import CHUNK_BYTES, map_file
 
         rank_files = sorted((disk / "ckpt" / "t").glob("rank-*"))  # the same bytes as the memory tier's
-        landing = shm / f"floor-{rank}"
+        into = torch.empty(CHUNK_BYTES, dtype=torch.uint8).zero_()  # touched once, reused
 
-        def move() -> None:
+        def move() -> None:  # the tier's chunks, received into memory already touched, written nowhere
             for src in range(world):
                 dst = (src + 1) % world
-                if rank == src:
-                    dist.send(map_file(str(rank_files[src])), dst)
-                elif rank == dst:
-                    with open(landing, "wb") as f:  # sparse, as replicas.Landing makes it
-                        f.truncate(rank_files[src].stat().st_size)
-                    dist.recv(map_file(str(landing)), src)
+                data = map_file(str(rank_files[src]))
+                for at in range(0, data.numel(), CHUNK_BYTES):
+                    if rank == src:
+                        dist.send(data[at:at + CHUNK_BYTES], dst)
+                    elif rank == dst:
+                        dist.recv(into[:min(CHUNK_BYTES, data.numel() - at)], src)
         timed("replica floor", move)
-        landing.unlink(missing_ok=True)
 
     def plain_steps() -> None:
         timed("steps", steps)

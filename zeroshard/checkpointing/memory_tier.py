@@ -40,7 +40,7 @@ from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, is_safe_file_name, rank_file_name
 from zeroshard.format.writer import TensorSpec, rank_file_layout, rank_metadata
 from zeroshard.storage import Location
-from zeroshard.storage.hashing import hash_bytes, new_hasher
+from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.safetensors_header import build_header
 
 HASH_CHUNK = 16 << 20
@@ -288,16 +288,13 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
     def read(name: str) -> torch.Tensor:
         return map_file(os.path.join(target.path, name))
 
-    def received(name: str, data: torch.Tensor, rank: int) -> None:
-        if hash_bytes(memoryview(data.numpy())) != results[rank].file.hash:  # checked before it lands
-            landing.drop(name)
+    def check(name: str, size: int, digest: str, rank: int) -> None:
+        if (size, digest) != (results[rank].file.size, results[rank].file.hash):  # checked before it lands
             raise StorageError(target.url_of(name), "replica's hash differs from the one its rank wrote")
-        landing.keep(name)
 
     plan = [(rank_file_name(r, job.world_size), r, r, d)
             for r, dsts in sorted(replica_targets(hosts, replicas, domains).items()) for d in dsts]
-    landing = Landing(target.path)
-    error = run_transfers(plan, job.rank, read, received, group, landing.allocate)
+    error = run_transfers(plan, job.rank, read, check, group, Landing(target.path))
     agree_on_save(error, group, None)
     fields["extra"] = {**fields.get("extra", {}), **extra, "memory_tier": {"job": folder.job}}
     manifest = build_manifest(specs, job.world_size, results, job.checkpoint_id, tag=job.tag,

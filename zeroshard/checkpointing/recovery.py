@@ -42,7 +42,6 @@ from zeroshard.errors import PeerLostError, StorageError, ZeroshardError
 from zeroshard.format import open_checkpoint
 from zeroshard.format.folder import update_latest
 from zeroshard.format.manifest import MANIFEST_NAME
-from zeroshard.storage.hashing import hash_bytes
 
 log = logging.getLogger(__name__)
 ACTION = "recovery from the memory tier"
@@ -218,21 +217,22 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
     def read(name: str) -> torch.Tensor:
         return map_file(os.path.join(target.path, name))
 
-    def received(name: str, data: torch.Tensor, file_rank: int) -> None:
-        if name != MANIFEST_NAME and (sizes[name][0] != data.numel()
-                                      or hash_bytes(memoryview(data.numpy())) != sizes[name][1]):
-            landing.drop(name)
+    def check(name: str, size: int, digest: str, file_rank: int) -> None:
+        if name != MANIFEST_NAME and (size, digest) != sizes[name]:
             raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")  # never in place
-        landing.keep(name)
-        if name == MANIFEST_NAME:
-            update_latest(folder.location, c.tag)
 
-    landing = Landing(target.path)
-    error = error or run_transfers(plan, rank, read, received, group, landing.allocate)
+    landing = Landing(target.path, refused=error)  # a folder not claimed or made: received, not kept
+    failed = run_transfers(plan, rank, read, check, group, landing)  # always: peers must not wait on us
+    error = error or failed
+    if error is None and (MANIFEST_NAME, -1) in [(n, r) for n, r, _, dst in plan if dst == rank]:
+        try:  # the manifest landed (last): this node's folder holds the checkpoint whole
+            update_latest(folder.location, c.tag)
+        except Exception as exc:
+            error = exc
     agree(error, group, action=ACTION)
 
     def heal() -> None:
-        agree(run_transfers(rest, rank, read, received, group, landing.allocate), group,
+        agree(run_transfers(rest, rank, read, check, group, landing), group,
               action="restoring the memory tier's replicas")
     return sum(1 for t in plan + rest if t[0] != MANIFEST_NAME), heal if rest else None
 

@@ -235,8 +235,8 @@ class Location:
             with storage_errors(self.url):
                 os.makedirs(self.path, exist_ok=True)
 
-    def atomic_writer(self, name: str, durable: bool = True) -> "AtomicWriter":
-        return AtomicWriter(self, name, durable)
+    def atomic_writer(self, name: str, durable: bool = True, write_behind: bool = False) -> "AtomicWriter":
+        return AtomicWriter(self, name, durable, write_behind)
 
     def fsync(self, names: list[str]) -> None:
         """Make files written with durable=False durable (locally; S3 objects already are).
