@@ -270,6 +270,7 @@ def test_rank_layouts_give_every_header_the_writer_wrote(wide, tmp_path):
         for file in manifest.files:
             raw, header = expected_header(file, manifest)
             assert layouts.header(file.rank) == raw == (folder / file.name).read_bytes()[:len(raw)]
+            assert layouts.header_length(file.rank) == len(raw)  # the plans' shortcut: no header composed
             assert layouts.file_size(file.rank) == file.size
             assert layouts.expected(file.rank) == (raw, header)
 

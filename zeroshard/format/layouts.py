@@ -189,6 +189,14 @@ class RankLayouts:
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
+    def header_length(self, rank: int) -> int:
+        """len(header(rank)), without composing it: where a plan needs only where data begins."""
+        if self._meta is None:
+            return len(self.header(rank))
+        left, right = self._meta
+        text = len(_PREFIX) + len(left) + len(str(rank)) + len(right) + len(self.rank_layout(rank).tail)
+        return 8 + text + (-text % 8)
+
     def expected(self, rank: int) -> tuple[bytes, Header]:
         """`rank`'s exact header bytes and what they say. Ranks of one run whose headers have
         one length (rank numbers of as many digits) share one entries dict, made once: reading
@@ -212,7 +220,8 @@ class RankLayouts:
         return raw, Header(entries, self.metadata(rank), len(raw), len(raw) + layout.data_bytes)
 
     def file_size(self, rank: int, header: bytes | None = None) -> int:
-        return len(header if header is not None else self.header(rank)) + self.rank_layout(rank).data_bytes
+        length = len(header) if header is not None else self.header_length(rank)
+        return length + self.rank_layout(rank).data_bytes
 
 
 def _entry(name: str, dtype: str, numel: int, begin: int, end: int) -> bytes:

@@ -160,7 +160,7 @@ def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int])
     layouts: array operations per run, not a Python loop per fragment."""
     layouts, ranks = outputs.layouts, list(ranks)
     runs = [layouts.rank_layout(r) for r in ranks]
-    heads = [len(layouts.header(r)) for r in ranks]
+    heads = [layouts.header_length(r) for r in ranks]
     sizes = [0] * outputs.count
     for r, run, h in zip(ranks, runs, heads):
         sizes[r] = h + run.data_bytes
@@ -230,7 +230,7 @@ def _fragment_offsets(manifest: Manifest, rank: np.ndarray, tensor: np.ndarray) 
     layouts = layouts_of(manifest)  # shared with the executor's reader
     needed = np.flatnonzero(np.bincount(rank, minlength=manifest.world_size))  # sorted, as np.unique, in O(n)
     data_at = np.zeros(manifest.world_size, dtype=np.int64)
-    data_at[needed] = [len(layouts.header(q)) for q in needed.tolist()]
+    data_at[needed] = [layouts.header_length(q) for q in needed.tolist()]
     runs = np.searchsorted(np.asarray(layouts.starts, dtype=np.int64), needed, side="right") - 1
     table = np.full((len(layouts.starts), len(layouts.tensors)), -1, dtype=np.int64)  # run, tensor -> begin
     for r in np.unique(runs).tolist():
