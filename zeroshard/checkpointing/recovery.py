@@ -222,10 +222,15 @@ def _fetch(c: Candidate, choice: Choice, nodes: list[list[int]], found: list[lis
             raise StorageError(target.url_of(name), "copy fetched from a peer fails its hash")  # never in place
 
     landing = Landing(target.path, refused=error)  # a folder not claimed or made: received, not kept
-    failed = run_transfers(plan, rank, read, check, group, landing)  # always: peers must not wait on us
+    files = [t for t in plan if t[0] != MANIFEST_NAME]
+    manifests = [t for t in plan if t[0] == MANIFEST_NAME]  # last: it commits the node's folder
+    failed = run_transfers(files, rank, read, check, group, landing)  # always: peers must not wait on us
     error = error or failed
-    if error is None and (MANIFEST_NAME, -1) in [(n, r) for n, r, _, dst in plan if dst == rank]:
-        try:  # the manifest landed (last): this node's folder holds the checkpoint whole
+    # the manifest lands only over every file it names (else it is received and dropped)
+    failed = run_transfers(manifests, rank, read, check, group, Landing(target.path, refused=error))
+    error = error or failed
+    if error is None and any(dst == rank for _, _, _, dst in manifests):
+        try:
             update_latest(folder.location, c.tag)
         except Exception as exc:
             error = exc

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from zeroshard.peers import peer_loss_translated
+from zeroshard.storage.hashing import new_hasher
 from zeroshard.storage.location import Location
 
 
@@ -152,8 +153,6 @@ def _receive(name: str, file_rank: int, size: int, src: int, group: Any, landing
     """One file off the wire, chunk by chunk, into `landing`. Whatever fails, every byte is
     still received (each of the sender's sends must be matched). Returns what kept it out."""
     import torch.distributed as dist
-
-    from zeroshard.storage.hashing import new_hasher
 
     done = 0
     try:
