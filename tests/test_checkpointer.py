@@ -247,6 +247,39 @@ def test_async_saves_are_copy_on_write(tmp_path, slow_writer):
         assert all(r["copied"] == 0 for r in result)  # nothing to protect: no copy at all
 
 
+def writes_behind_per_save_kind(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Which saves hand their writes to a thread (write_behind), and what a sync save so written loads."""
+    from zeroshard.checkpointing import save as save_module
+
+    asked: list[bool] = []
+    real = save_module.write_rank_file
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("write_behind", False))
+        return real(*args, **kwargs)
+
+    save_module.write_rank_file = spy
+    engine = _engine(stage=1)
+    _step(engine, rank)
+    at_save = engine.full_state_dict()
+    engine.save_checkpoint(path, tag="sync")
+    engine.save_checkpoint(path, tag="async", async_save=True)  # state in host memory: read in place
+    engine.wait()
+    fresh = _engine(seed=9, stage=1)
+    fresh.load_checkpoint(path + "/sync")
+    loaded = fresh.full_state_dict()
+    return {"asked": asked, "same": all(torch.equal(v, loaded[k]) for k, v in at_save.items())}
+
+
+def test_sync_saves_write_behind_and_async_saves_reading_in_place_do_not(tmp_path):
+    """A write handed to a thread is still in flight when fill returns; an async save that reads
+    live tensors marks a tensor written (safe from copy-on-write) at that moment, so it must write
+    inline, or the next step could change bytes still being written (hashed before, torn after)."""
+    result = run_ranks(writes_behind_per_save_kind, 2, timeout=120, path=str(tmp_path / "ck"))
+    assert all(r["asked"] == [True, False] for r in result)
+    assert all(r["same"] for r in result)
+
+
 def load_anywhere(rank: int, world: int, path: str, behind: bool | None = None) -> str:
     from zeroshard.checkpointing.load import spare_core
 

@@ -22,7 +22,9 @@ repeats that are dropped), interleaved through tools/benchlib.py's rotation, eve
                          from cache_staged_state_dict=True, which on CPU fails: it pins memory)
   DCP async, process     dcp.async_save with a reused DefaultStager(use_async_staging=True,
                          shared memory) and AsyncCheckpointerType.PROCESS (a separate writer
-                         process); blocked = return + staging completion (before the next step)
+                         process); blocked = return + staging completion (before the next step).
+                         On CUDA both stagers are new for every save: a reused one fails its second
+                         save there (torch 2.11, KeyError in deepcopy_with_tensor_offload)
   training loop          --loop-steps steps of each model with no save, and the same loop with an
                          async save issued after the first quarter (zeroshard; DCP thread-async):
                          what the background write costs the steps that run beside it
@@ -311,8 +313,13 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
         def reusable_stager():  # on CUDA even the unpinned one fails when reused: a fresh one per save
             return new_thread_stager() if cuda else thread_stager
-        stager = None if args.no_dcp_process else DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda))
+        def new_process_stager():
+            return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                use_async_staging=True, use_non_blocking_copy=cuda))
+        stager = None if args.no_dcp_process else new_process_stager()
+
+        def process_stager():  # the same torch bug on CUDA (seen on 2.11, H200): a fresh one per save
+            return new_process_stager() if cuda else stager
         process_writer = dcp.FileSystemWriter(str(scratch / "dcp-proc"), thread_count=threads["n"])
 
     # ---- the sides ----------------------------------------------------------------------------
@@ -384,7 +391,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
         def start():
             resp = dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-proc"), storage_writer=process_writer,
-                                  async_stager=stager, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                                  async_stager=process_stager(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  process_group=ckpt_group)  # NCCL's default group has no CPU backend
             if isinstance(resp, AsyncSaveResponse):  # the next step may change state once staged
                 resp.staging_completion.result()
                 return resp.upload_completion
@@ -611,10 +619,12 @@ def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Re
                  f"median kept: {tuning['chosen_thread_count']}. Async thread: one FileSystemWriter and one "
                  f"DefaultStager (caches its staging buffers; cache_staged_state_dict=True pins memory, which "
                  f"fails on a CPU-only machine) reused for every save. Async process: "
-                 f"AsyncCheckpointerType.PROCESS with a reused "
-                 f"DefaultStager(use_async_staging=True, use_shared_memory=True"
-                 + ("; pinned memory and non-blocking copies: CUDA)." if args.device == "cuda"
-                    else "; pinned memory off: CPU)."))
+                 f"AsyncCheckpointerType.PROCESS with a DefaultStager(use_async_staging=True, "
+                 f"use_shared_memory=True"
+                 + ("; pinned memory and non-blocking copies: CUDA). On CUDA both stagers are NEW for every "
+                    "save (pinned buffers allocated each time): torch's DefaultStager fails its second save "
+                    "there (KeyError: <class 'type'> in deepcopy_with_tensor_offload)." if args.device == "cuda"
+                    else "; pinned memory off: CPU) reused for every save."))
     rep.data["bytes"] = b
     rep.data["n_params"] = res["n_params"]
     if res.get("profile"):

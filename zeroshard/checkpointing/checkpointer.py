@@ -137,7 +137,8 @@ class Checkpointer:
         checkpoint_id, _, tag = agreed[0]  # rank 0's: a tag given per rank could differ
         job = SaveJob(root, tag, checkpoint_id, engine.rank, engine.world_size, contents,
                       background.fill if background is not None else contents.fill, manifest_extra,
-                      client_state if engine.rank == 0 else None, keep_last)
+                      client_state if engine.rank == 0 else None, keep_last,
+                      write_behind=background is None or not background.reads_in_place)
         return job, background
 
     def save_memory(self, tag: str | None = None, client_state: dict | None = None, *, durable: str | None = None,
@@ -195,7 +196,7 @@ class Checkpointer:
                 def fill(spec: Any, start: int, end: int, write: Any) -> None:
                     data = reader.read_flat(manifest.tensors[spec.name], start, end)
                     write(memoryview(data.contiguous().view(torch.uint8).numpy()))
-                write_and_commit(dataclasses.replace(drain, fill=fill), self.group)
+                write_and_commit(dataclasses.replace(drain, fill=fill, write_behind=True), self.group)  # fresh tensors
 
     def _tiers(self) -> TierPolicy:
         if self.tiers is None:

@@ -275,7 +275,8 @@ def write_memory_checkpoint(job: SaveJob, folder: MemoryFolder, hosts: list[str]
     try:
         target.makedirs()
         result = write_rank_file(target, job.checkpoint_id, job.rank, job.world_size,
-                                 rank_contents(specs, job.world_size, job.rank), job.fill)
+                                 rank_contents(specs, job.world_size, job.rank), job.fill,
+                                 write_behind=job.write_behind)
         error = None
     except Exception as exc:
         result, error = None, CheckpointSaveError(f"{target.url}: memory save failed, nothing committed: "

@@ -48,6 +48,10 @@ class SaveJob:
     manifest_extra: dict[str, Any]  # rank 0: stateful states, client state
     client_state: Any
     keep_last: int | None
+    # hand each write to a thread while the next bytes are hashed (AtomicWriter's write_behind):
+    # only when fill's bytes stay unchanged until its next write, i.e. not when an async save
+    # reads live tensors in place (copy-on-write marks a tensor written once fill returns)
+    write_behind: bool = False
 
 
 def claim_tag(root: Location, tag: str) -> Claim:
@@ -102,7 +106,8 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             target.makedirs()
             specs = job.contents.specs
             result = write_rank_file(target, job.checkpoint_id, job.rank, job.world_size,
-                                     rank_contents(specs, job.world_size, job.rank), job.fill)
+                                     rank_contents(specs, job.world_size, job.rank), job.fill,
+                                     write_behind=job.write_behind)
             error = None
         except Exception as exc:  # reported to every rank
             result, error = None, CheckpointSaveError(

@@ -65,6 +65,11 @@ class BackgroundSave:
         self._live = [name for name in contents.held if name in live]
         self._live_set = set(self._live)
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the writer reads live tensors (so a write must be done when fill returns)."""
+        return bool(self._live)
+
     def fill(self, spec, start: int, end: int, write: Callable[[memoryview], None]) -> None:
         """The writer's callback (background thread): one tensor at a time. A tensor read in
         place is written under the lock, so detach() cannot swap it out half-way; a copy is not."""
