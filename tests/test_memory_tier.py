@@ -462,7 +462,7 @@ KILLED_TRAIN = textwrap.dedent('''
 def _launch(tmp: Path, name: str, args: list[str]) -> tuple[Path, list[subprocess.Popen]]:
     out = tmp / name
     out.mkdir()
-    script = tmp / "train.py"
+    script = out / "train.py"  # one per job: the reference runs beside the killed job
     script.write_text(KILLED_TRAIN)
     port = free_port()
     agents = []
@@ -505,26 +505,31 @@ def _losses(out: Path) -> dict[int, dict[int, str]]:
 
 @pytest.mark.timeout(600)
 def test_a_memory_save_torn_by_a_killed_node_is_never_chosen(tmp_path):
-    ref_out, agents = _launch(tmp_path, "reference", [str(tmp_path / "ref-shm"), "6", "0"])
-    results = _finish(agents, 240)
+    ref_out, ref_agents = _launch(tmp_path, "reference", [str(tmp_path / "ref-shm"), "6", "0"])  # runs beside
+    try:
+        mem = tmp_path / "shm"
+        out, agents = _launch(tmp_path, "killed", [str(mem), "6", "4"])
+        deadline = time.monotonic() + 180
+        while len(list(out.glob("saving-rank*"))) < 2:
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
+                "\n".join(t[-3000:] for _, t in _finish(agents, 5))
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the slowed write of step 4's files
+        pids = {host: int(pid) for host, pid in (p.read_text().split() for p in out.glob("host-rank*"))}
+        _kill_node(agents[1], [pids["nodeB"]])
+        agents[1].wait()
+        (rc, text), = _finish(agents[:1], 120)
+        assert rc != 0, text[-3000:]
+        for node in ("nodeA", "nodeB"):  # torn on both: no manifest anywhere
+            assert not (mem / node / "step-00000004" / "zeroshard.json").exists()
+        assert (mem / "nodeA" / "latest").read_text().strip() == "step-00000002"
+    except BaseException:
+        for agent in ref_agents:
+            _kill_node(agent, [])
+        raise
+    results = _finish(ref_agents, 240)
     assert all(rc == 0 for rc, _ in results), "\n".join(t[-3000:] for _, t in results)
     reference = _losses(ref_out)
-    mem = tmp_path / "shm"
-    out, agents = _launch(tmp_path, "killed", [str(mem), "6", "4"])
-    deadline = time.monotonic() + 180
-    while len(list(out.glob("saving-rank*"))) < 2:
-        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
-            "\n".join(t[-3000:] for _, t in _finish(agents, 5))
-        time.sleep(0.05)
-    time.sleep(0.5)  # inside the slowed write of step 4's files
-    pids = {host: int(pid) for host, pid in (p.read_text().split() for p in out.glob("host-rank*"))}
-    _kill_node(agents[1], [pids["nodeB"]])
-    agents[1].wait()
-    (rc, text), = _finish(agents[:1], 120)
-    assert rc != 0, text[-3000:]
-    for node in ("nodeA", "nodeB"):  # torn on both: no manifest anywhere
-        assert not (mem / node / "step-00000004" / "zeroshard.json").exists()
-    assert (mem / "nodeA" / "latest").read_text().strip() == "step-00000002"
     out, agents = _launch(tmp_path, "restarted", [str(mem), "6", "0"])
     results = _finish(agents, 240)
     assert all(rc == 0 for rc, _ in results), "\n".join(t[-3000:] for _, t in results)

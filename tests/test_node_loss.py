@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,7 @@ def _agent(script: Path, host: str, port: int, job: str, nnodes: int, args: list
 def _job(tmp: Path, name: str, hosts: list[str], job: str, args: list[str]) -> list[subprocess.Popen]:
     out = tmp / name
     out.mkdir()
-    script = tmp / "train.py"
+    script = out / "train.py"  # one per job: jobs may run side by side in one folder
     script.write_text(TRAIN)
     port = free_port()
     agents = []
@@ -294,23 +295,27 @@ def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resum
     async, in the next step or save when sync. Its survivors fail at once naming the lost ranks."""
     ckpt = tmp_path / "ckpt"
     args = [str(ckpt), str(stage), "6", async_save]
-    reference = reference_losses(stage)
-    lost, ranks, rc, text, took = _kill_node_in_save(tmp_path, "killed", "job-1", [*args, "4"], lose_rank_0=False)
-    assert rc != 0 and "PeerLostError" in text, text[-3000:]
-    assert f"lost contact with rank(s) {', '.join(map(str, ranks))} on host(s) {lost}" in text, text[-3000:]
-    assert took < 60, took
-    assert (ckpt / "latest").read_text().strip() == committed
-    _verify(ckpt)
-    start = int(committed[-2:])
-    # the surviving node alone, at world size 2, resumes exactly like a fresh 2-rank job from a copy
-    shutil.copytree(ckpt, tmp_path / "alone")
-    shutil.copytree(ckpt, tmp_path / "two")
-    alone = _run_to_end(tmp_path, "alone", ["nodeA" if lost == "nodeB" else "nodeB"], "job-1",
-                        [str(tmp_path / "alone"), *args[1:], "0"])
-    two = _run_to_end(tmp_path, "two", ["nodeX"], "job-1b", [str(tmp_path / "two"), *args[1:], "0"])
-    assert sorted(alone) == [0, 1] and alone == two and sorted(alone[0]) == list(range(start, 6))
-    # both nodes back: every loss bit-identical to the uninterrupted run
-    resumed = _run_to_end(tmp_path, "resumed", ["nodeA", "nodeB"], "job-1", [*args, "0"])
+    # independent jobs run side by side (CI time: each leaves a core idle while it starts and ends)
+    with ThreadPoolExecutor(4) as jobs:
+        reference = jobs.submit(reference_losses, stage)
+        lost, ranks, rc, text, took = _kill_node_in_save(tmp_path, "killed", "job-1", [*args, "4"],
+                                                         lose_rank_0=False)
+        assert rc != 0 and "PeerLostError" in text, text[-3000:]
+        assert f"lost contact with rank(s) {', '.join(map(str, ranks))} on host(s) {lost}" in text, text[-3000:]
+        assert took < 60, took
+        assert (ckpt / "latest").read_text().strip() == committed
+        _verify(ckpt)
+        start = int(committed[-2:])
+        # the surviving node alone, at world size 2, resumes exactly like a fresh 2-rank job from a copy
+        shutil.copytree(ckpt, tmp_path / "alone")
+        shutil.copytree(ckpt, tmp_path / "two")
+        alone = jobs.submit(_run_to_end, tmp_path, "alone", ["nodeA" if lost == "nodeB" else "nodeB"], "job-1",
+                            [str(tmp_path / "alone"), *args[1:], "0"])
+        two = jobs.submit(_run_to_end, tmp_path, "two", ["nodeX"], "job-1b", [str(tmp_path / "two"), *args[1:], "0"])
+        # both nodes back (on the original folder): every loss bit-identical to the uninterrupted run
+        resumed = jobs.submit(_run_to_end, tmp_path, "resumed", ["nodeA", "nodeB"], "job-1", [*args, "0"])
+        alone, two, resumed, reference = alone.result(), two.result(), resumed.result(), reference.result()
+        assert sorted(alone) == [0, 1] and alone == two and sorted(alone[0]) == list(range(start, 6))
     assert resumed == {r: {s: v for s, v in steps.items() if s >= start} for r, steps in reference.items()}
     assert (ckpt / "latest").read_text().strip() == "step-00000006"
 
@@ -324,8 +329,10 @@ def test_a_replaced_rank_0_node_saves_the_interrupted_tag_again_and_goes_on_exac
     (sync) the save of step 6 after the save of step 4 committed. The job comes back with a
     replacement node (another host) under the same run id and saves that tag again."""
     args = [str(tmp_path / "ckpt"), str(stage), "6", async_save]
-    reference = reference_losses(stage)
-    lost, _, rc, text, _ = _kill_node_in_save(tmp_path, "killed", "job-2", [*args, "4"], lose_rank_0=True)
+    with ThreadPoolExecutor(1) as jobs:  # run beside the killed job when no earlier test ran it
+        reference = jobs.submit(reference_losses, stage)
+        lost, _, rc, text, _ = _kill_node_in_save(tmp_path, "killed", "job-2", [*args, "4"], lose_rank_0=True)
+        reference = reference.result()
     assert rc != 0
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == committed
     assert (tmp_path / "ckpt" / interrupted / CLAIM_NAME).exists(), text[-3000:]  # the dead rank 0's claim

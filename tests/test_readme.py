@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,11 @@ def test_the_training_snippet_resumes_exactly(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     whole.mkdir()
     cut.mkdir()
-    run_block(code, ranks, whole, {"STEPS": "6"})
-    run_block(code, ranks, cut, {"STEPS": "3"})  # stops after step 3: its last checkpoint is step 2
-    run_block(code, ranks, cut, {"STEPS": "6"})  # resumes from step 2
+    with ThreadPoolExecutor(1) as beside:  # the uninterrupted run beside the cut one (CI time)
+        uninterrupted = beside.submit(run_block, code, ranks, whole, {"STEPS": "6"})
+        run_block(code, ranks, cut, {"STEPS": "3"})  # stops after step 3: its last checkpoint is step 2
+        run_block(code, ranks, cut, {"STEPS": "6"})  # resumes from step 2
+        uninterrupted.result()
     latest = (whole / "ckpt" / "latest").read_text().strip()
     assert latest == (cut / "ckpt" / "latest").read_text().strip() == "step-00000006"
     a = _weights(whole / "ckpt", tmp_path / "a.safetensors")

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,18 +288,20 @@ def test_train_gpt_killed_mid_run_resumes_from_the_memory_tier(tmp_path):
     older than the durable root's newest), and ends with the uninterrupted run's validation loss."""
     script = str(REPO / "samples" / "train_gpt.py")
     small = [*SMALL, "--log-every", "1", "--memory-every", "2", "--save-every", "4"]
-    full = _run(_torchrun(2) + [script, "--steps", "40", *small, "--ckpt", str(tmp_path / "ref"),
-                                "--memory-dir", str(tmp_path / "ref-shm")], tmp_path)
-    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
-    cmd = _torchrun(2) + [script, "--steps", "400", *small, "--ckpt", str(ckpt), "--memory-dir", str(shm)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    try:
-        for line in proc.stdout:  # killed after step 7: a memory save may be in flight, never chosen torn
-            if line.startswith("step     7 |"):
-                break
-    finally:  # the agent and its workers (torchrun starts each worker in a session of its own)
-        _kill_processes_naming(str(ckpt), proc)
+    with ThreadPoolExecutor(1) as beside:  # the uninterrupted run beside the killed one (CI time)
+        full = beside.submit(_run, _torchrun(2) + [script, "--steps", "40", *small, "--ckpt", str(tmp_path / "ref"),
+                                                   "--memory-dir", str(tmp_path / "ref-shm")], tmp_path)
+        ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+        cmd = _torchrun(2) + [script, "--steps", "400", *small, "--ckpt", str(ckpt), "--memory-dir", str(shm)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        try:
+            for line in proc.stdout:  # killed after step 7: a memory save may be in flight, never chosen torn
+                if line.startswith("step     7 |"):
+                    break
+        finally:  # the agent and its workers (torchrun starts each worker in a session of its own)
+            _kill_processes_naming(str(ckpt), proc)
+        full = full.result()
     durable_step = int((ckpt / "latest").read_text().strip()[len("step-"):])
     resumed = _run(_torchrun(2) + [script, "--steps", "40", *small, "--ckpt", str(ckpt), "--memory-dir", str(shm),
                                    "--resume"], tmp_path)
