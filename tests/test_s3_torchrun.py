@@ -5,6 +5,7 @@ single-process commands write, and a failure anywhere committing nothing."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -69,18 +70,23 @@ def test_consolidate_to_and_from_s3_matches_a_single_process(tmp_path, s3_bucket
     shards = sorted(p.name for p in (tmp_path / "ref-hf").iterdir())
     assert len([n for n in shards if n.startswith("model-")]) >= 3  # several files to deal out
 
-    result = torchrun("consolidate", f"{s3_bucket}/c", f"{s3_bucket}/hf", "--max-shard-size", "300B")  # S3 -> S3
+    with ThreadPoolExecutor(3) as launches:  # independent outputs: side by side (CI time)
+        to_s3, local_to_s3, to_local = [launches.submit(torchrun, "consolidate", *args) for args in (
+            (f"{s3_bucket}/c", f"{s3_bucket}/hf", "--max-shard-size", "300B"),  # S3 -> S3
+            (str(tmp_path / "c"), f"{s3_bucket}/one/model.safetensors"),  # local -> S3
+            (f"{s3_bucket}/c", str(tmp_path / "back.safetensors"), "-j", "2"))]  # S3 -> local
+    result = to_s3.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert objects(s3_bucket, s3_client, "hf/") == [f"hf/{n}" for n in shards]
     remote = Location(f"{s3_bucket}/hf")
     for name in shards:
         assert remote.read_bytes(name) == (tmp_path / "ref-hf" / name).read_bytes(), name
 
-    result = torchrun("consolidate", str(tmp_path / "c"), f"{s3_bucket}/one/model.safetensors")  # local -> S3
+    result = local_to_s3.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert Location(f"{s3_bucket}/one").read_bytes("model.safetensors") == reference
 
-    result = torchrun("consolidate", f"{s3_bucket}/c", str(tmp_path / "back.safetensors"), "-j", "2")  # S3 -> local
+    result = to_local.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "back.safetensors").read_bytes() == reference
 

@@ -2,6 +2,7 @@
 processes, at hundreds of ranks, and a failure in any worker leaves nothing behind."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,12 +120,16 @@ def test_distributed_reshard_and_consolidate_under_torchrun(wide, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert verify(str(tmp_path / "w64")).ok
     assert_same(model, read_checkpoint(str(tmp_path / "w64")))
-    result = torchrun("consolidate", str(tmp_path / "w64"), str(tmp_path / "m.safetensors"), "-j", "2")
-    assert result.returncode == 0, result.stderr[-2000:]
-    consolidate(str(root / "w300"), str(tmp_path / "ref.safetensors"))
+    with ThreadPoolExecutor(2) as launches:  # two outputs of one input, side by side (CI time)
+        one = launches.submit(torchrun, "consolidate", str(tmp_path / "w64"), str(tmp_path / "m.safetensors"),
+                              "-j", "2")
+        hf = launches.submit(torchrun, "consolidate", str(tmp_path / "w64"), str(tmp_path / "hf"),
+                             "--max-shard-size", "3KB")
+        consolidate(str(root / "w300"), str(tmp_path / "ref.safetensors"))
+        one, hf = one.result(), hf.result()
+    assert one.returncode == 0, one.stderr[-2000:]
     assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    result = torchrun("consolidate", str(tmp_path / "w64"), str(tmp_path / "hf"), "--max-shard-size", "3KB")
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert hf.returncode == 0, hf.stderr[-2000:]
     assert_same(model, {k: v for f in (tmp_path / "hf").glob("model-*.safetensors") for k, v in load_file(f).items()})
     assert not leftovers(tmp_path)
 
