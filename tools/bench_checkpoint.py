@@ -311,15 +311,13 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
                                                 use_async_staging=False, use_non_blocking_copy=False))
         thread_stager = new_thread_stager()
 
-        def reusable_stager():  # on CUDA even the unpinned one fails when reused: a fresh one per save
-            return new_thread_stager() if cuda else thread_stager
         def new_process_stager():
             return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                 use_async_staging=True, use_non_blocking_copy=cuda))
         stager = None if args.no_dcp_process else new_process_stager()
 
-        def process_stager():  # the same torch bug on CUDA (seen on 2.11, H200): a fresh one per save
-            return new_process_stager() if cuda else stager
+        def per_save(new, kept):  # on CUDA a reused DefaultStager fails its second save (torch 2.11:
+            return new() if cuda else kept  # unpinned on an H100, pinned on an H200): a fresh one there
         process_writer = dcp.FileSystemWriter(str(scratch / "dcp-proc"), thread_count=threads["n"])
 
     # ---- the sides ----------------------------------------------------------------------------
@@ -381,7 +379,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     def dcp_async_thread(rep: int) -> None:
         rm(scratch / "dcp-async")
         blocked, fut = timed(lambda: dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-async"),
-                                                    storage_writer=async_writer, async_stager=reusable_stager(),
+                                                    storage_writer=async_writer,
+                                                    async_stager=per_save(new_thread_stager, thread_stager),
                                                     process_group=ckpt_group))
         fut.result()
         record("dcp_async_thread_blocked", blocked)
@@ -391,7 +390,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
         def start():
             resp = dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-proc"), storage_writer=process_writer,
-                                  async_stager=process_stager(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=per_save(new_process_stager, stager),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                                   process_group=ckpt_group)  # NCCL's default group has no CPU backend
             if isinstance(resp, AsyncSaveResponse):  # the next step may change state once staged
                 resp.staging_completion.result()
@@ -426,7 +426,7 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
 
     def dcp_loop_save():
         fut = dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-loop"), storage_writer=async_writer,
-                             async_stager=reusable_stager(), process_group=ckpt_group)
+                             async_stager=per_save(new_thread_stager, thread_stager), process_group=ckpt_group)
         return fut.result
 
     def raw_load(rep: int, cold: bool = False) -> None:
