@@ -103,12 +103,31 @@ def test_offload_optimizer_keeps_state_in_pinned_host_memory(stage: int) -> None
     assert_state_close(off["state"], plain["state"], 1e-4)  # host vs device Adam: summation order only
 
 
-def gpu_save_load(rank: int, world: int, stage: int, path: str) -> dict[str, Any]:
+def gpu_save_load(rank: int, world: int, stage: int, path: str, slow_writes: bool = False) -> dict[str, Any]:
     """Train, save, train on (every tensor changes), load: the state saved is the state loaded,
-    on the device, read through checkpointing/staging.py's pinned windows."""
+    on the device, read through checkpointing/staging.py's pinned windows.
+
+    slow_writes: the writes behind the save are slow and the small-write threshold shrunk to
+    1 KiB, so this tiny model's weights go out through windows still in flight when the next
+    one is filled, with biases (gathered, not written) between them."""
     import zeroshard
 
     from test_engine_models import batches, lm_loss, make_model, micro_batch
+
+    if slow_writes:
+        import time
+
+        from zeroshard.checkpointing import staging
+        from zeroshard.storage import location, stream_writer
+
+        write_now = location.AtomicWriter._write_now
+
+        def slow(self, view):
+            time.sleep(0.01)
+            write_now(self, view)
+
+        location.AtomicWriter._write_now = slow
+        stream_writer.SMALL_WRITE_BYTES = staging.SMALL_WRITE_BYTES = 1024
 
     model = make_model()
     engine = zeroshard.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
@@ -158,3 +177,17 @@ def test_checkpoint_round_trip_on_the_device_is_bit_exact(stage: int, tmp_path) 
         for key, value in r["saved"].items():
             assert torch.equal(r["loaded"][key], value), key
         assert abs(r["next_loss_after_load"] - r["next_loss"]) <= 1e-6 * abs(r["next_loss"])
+
+
+def test_a_save_written_behind_through_the_pinned_windows_loads_bit_exact(tmp_path) -> None:
+    """A sync save on the device writes behind: each window's write is still in flight while the
+    next window is filled (on an H100 a reused window once changed under its write, and the
+    checkpoint failed its own hash check on load)."""
+    from distributed import run_ranks
+
+    world = min(2, torch.cuda.device_count())
+    out = run_ranks(gpu_save_load, world, timeout=300, init_process_group=False, stage=3,
+                    path=str(tmp_path / "ckpt"), slow_writes=True)
+    for r in out:
+        for key, value in r["saved"].items():
+            assert torch.equal(r["loaded"][key], value), key

@@ -15,6 +15,7 @@ from zeroshard.errors import CheckpointError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.reader import fragments_of
 from zeroshard.storage.safetensors_header import torch_dtype
+from zeroshard.storage.stream_writer import SMALL_WRITE_BYTES
 
 from checkpoints import training_state, write_checkpoint
 from test_bad_input import flip_byte_in
@@ -59,17 +60,55 @@ def test_windowed_reads_still_check_each_fragments_hash(tmp_path):
 
 
 def test_windows_give_a_tensors_bytes_and_alternate_two_buffers():
-    tensor = torch.arange(1000, dtype=torch.float32)
-    staging = Staging("cpu", window_bytes=1024)
+    window = SMALL_WRITE_BYTES
+    tensor = torch.arange(window, dtype=torch.float32)  # 4 windows of bytes
+    staging = Staging("cpu", window_bytes=window)
     views, held = [], []
-    for view in staging.windows(tensor[10:990]):
+    part = tensor[10:window - 8192]  # 3 windows and a tail under SMALL_WRITE_BYTES
+    for view in staging.windows(part):
         held.append(bytes(view))
         views.append(view)
-    assert b"".join(held) == tensor[10:990].numpy().tobytes()
-    assert [len(v) for v in views] == [1024, 1024, 1024, 848]
-    # a window is reused only after the next one was handed out (what a write-behind writer needs)
+    assert b"".join(held) == part.numpy().tobytes()
+    assert [len(v) for v in views] == [window] * 3 + [part.numel() * 4 - 3 * window]
+    # a window is reused only after the next one was handed out (what a write-behind writer needs);
+    # the small tail is not a window: the stream writer gathers it, which finishes no write
     addresses = [torch.frombuffer(v, dtype=torch.uint8).data_ptr() for v in views]
-    assert addresses[0] != addresses[1] and addresses[0] == addresses[2] and addresses[1] == addresses[3]
+    assert addresses[0] != addresses[1] and addresses[0] == addresses[2]
+    assert addresses[3] not in addresses[:3]
+
+
+def test_windows_written_behind_reach_the_file_unchanged(tmp_path, monkeypatch):
+    """Windows of big tensors with small tensors between them, through a write-behind stream
+    writer whose writes are slow: each write still sends the bytes that were hashed. (A small
+    piece in a window let the next big one reuse the window of a write still in flight: on an
+    H100, a checkpoint that failed its own hash check on load.)"""
+    import time
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from zeroshard.storage.location import AtomicWriter, Location
+    from zeroshard.storage.stream_writer import SafetensorsStreamWriter
+
+    write_now = AtomicWriter._write_now
+
+    def slow_write(self, view):
+        time.sleep(0.02)  # still in flight while the caller fills its next window
+        write_now(self, view)
+
+    monkeypatch.setattr(AtomicWriter, "_write_now", slow_write)
+    window = SMALL_WRITE_BYTES
+    sizes = [window // 4 * 3 // 2, 100, window // 4, 50, window // 2, window // 4 + 7, 10]  # fp32 elements
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for n in sizes]
+    layout = [(f"t{i}", "F32", (n,)) for i, n in enumerate(sizes)]
+    staging = Staging("cpu", window_bytes=window)
+    with SafetensorsStreamWriter(Location(str(tmp_path)), "x.safetensors", layout, {}, write_behind=True) as out:
+        for t in tensors:
+            for view in staging.windows(t):
+                out.write(view)
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert [i for i, t in enumerate(tensors) if not np.array_equal(got[f"t{i}"], t.numpy())] == []
 
 
 def test_windowed_partial_reads_hash_each_fragments_unread_rest_once(tmp_path):

@@ -55,12 +55,12 @@ class RankContents:
         """The format writer's callback: the bytes of elements [start, end) of `spec`."""
         held = self.held[spec.name]
         part = held.tensor[start - held.start:end - held.start]
-        if part.device.type == "cpu":
+        if part.device.type == "cpu" and self.staging is None:  # (a staging set beforehand stages host tensors too)
             write(memoryview(part.contiguous().view(torch.uint8).numpy()))
             return
         if self.staging is None:
             self.staging = Staging(part.device)
-        for window in self.staging.windows(part):  # each stays unchanged until the next write: write-behind safe
+        for window in self.staging.windows(part):  # write-behind safe: see Staging.windows
             write(window)
 
 

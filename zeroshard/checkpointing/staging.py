@@ -10,9 +10,10 @@ next is read.
 
 Windows alternate, so the one handed out before the current one stays untouched: what a
 write-behind writer needs (storage.AtomicWriter: a write's data must not change until the next
-write), and what an asynchronous host-to-device copy needs before its window is read into again
-(each window's copy is waited for first), and what a reader hashing behind needs (each
-window's hashing is waited for first: CheckpointReader(hash_behind=True)).
+write; pieces too small for a window are fresh copies, see `windows`), what an asynchronous
+host-to-device copy needs before its window is read into again (each window's copy is waited
+for first), and what a reader hashing behind needs (each window's hashing is waited for
+first: CheckpointReader(hash_behind=True)).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+
+from zeroshard.storage.stream_writer import SMALL_WRITE_BYTES
 
 WINDOW_BYTES = 16 << 20
 
@@ -68,10 +71,18 @@ class Staging:
 
     def windows(self, tensor: torch.Tensor) -> Iterator[memoryview]:
         """The bytes of `tensor` (on any device) in order, a window at a time; each stays valid
-        until the one after the next is produced."""
+        until the one after the next is produced.
+
+        A piece under SMALL_WRITE_BYTES comes as a fresh host copy instead: the stream writer
+        gathers such writes rather than sending them, so they do not finish the write in flight,
+        and a window reused after one could change under that write (seen on an H100: a content
+        hash mismatch on load, a bias between two weights)."""
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         for at in range(0, raw.numel(), self.window_bytes):
             n = min(self.window_bytes, raw.numel() - at)
+            if n < SMALL_WRITE_BYTES:
+                yield memoryview(raw[at:at + n].cpu().numpy())
+                continue
             window = self._window(n)
             window.copy_(raw[at:at + n])  # synchronous: the bytes are there when this returns
             yield memoryview(window.numpy())
