@@ -71,3 +71,38 @@ def bytes_read(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(torch_zip.Source, "read_into", counting)
     return read
+
+
+# DeepSpeed compiles a C++ op (its CPU shared-memory all-reduce, into ~/.cache/torch_extensions)
+# the first time one of its process groups starts on a machine: 27 s alone here, 65-75 s in CI
+# beside the other tests, inside whichever DeepSpeed test comes first. When DeepSpeed tests are
+# collected, the op is built in the background from the start; a launch that comes first waits
+# on torch's build lock. The session waits for the build at its end rather than kill it, which
+# would leave that lock behind for the next run.
+_deepspeed_op_build: subprocess.Popen | None = None
+_BUILD_DEEPSPEED_OP = """
+from deepspeed.accelerator import get_accelerator
+import deepspeed.ops
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder.load(verbose=False)
+"""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _deepspeed_op_build
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None or not any("deepspeed" in item.nodeid for item in session.items):
+        return
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    _deepspeed_op_build = subprocess.Popen([sys.executable, "-c", _BUILD_DEEPSPEED_OP], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _deepspeed_op_build is not None:
+        try:
+            _deepspeed_op_build.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            _deepspeed_op_build.kill()

@@ -86,7 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also read after dropping the page cache (auto: when /proc/sys/vm/drop_caches is writable)")
     p.add_argument("--scratch", default=None, help="parent folder for the scratch dir (default: /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the scratch dir")
-    p.add_argument("--profile", action="store_true", help="cProfile one extra zeroshard save and load on rank 0")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile one extra zeroshard save and load on rank 0, then a per-thread timeline of one more "
+                        "of each (tools/thread_timeline.py)")
     p.add_argument("--json", default=None, help="result file (default tools/results/bench_checkpoint.json)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds for the torchrun launch")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -523,6 +525,20 @@ def _profile(engine, zs_root: Path, rank: int, dist) -> dict:
             for order, lines in (("tottime", 12), ("cumulative", 30)):  # where time is spent, and on whose behalf
                 pstats.Stats(prof, stream=s).sort_stats(order).print_stats(lines)
             out[op] = s.getvalue()
+    # cProfile sees only the calling thread: a sampled per-thread timeline shows what the
+    # background threads (write-behind, hash-behind, read-ahead) do at the same time.
+    from thread_timeline import ThreadTimeline
+
+    for op in ("save", "load"):
+        dist.barrier()
+        with ThreadTimeline() as timeline:
+            if op == "save":
+                engine.save_checkpoint(str(zs_root), tag="timeline")
+            else:
+                engine.load_checkpoint(str(zs_root / "timeline"))
+        if rank == 0:
+            out[f"{op}_timeline"] = timeline.summary()
+            out[f"{op}_timeline_text"] = timeline.report()
     dist.barrier()
     return out
 
@@ -629,6 +645,8 @@ def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Re
     rep.data["n_params"] = res["n_params"]
     if res.get("profile"):
         rep.data["profile"] = res["profile"]
+        for op in ("save", "load"):
+            print(f"\n[timeline of one {op}, rank 0]\n{res['profile'][f'{op}_timeline_text']}")
     return rep
 
 

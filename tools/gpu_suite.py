@@ -182,7 +182,10 @@ def _run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 6
 
 def _cli() -> str:
     """The installed `zeroshard` console script beside this interpreter."""
-    return str(Path(sys.executable).parent / "zeroshard")
+    cli = Path(sys.executable).parent / "zeroshard"
+    if not cli.exists():  # e.g. `--only sample` without `install`
+        raise SystemExit(f"no zeroshard command at {cli}: the install step puts it there (add it to --only)")
+    return str(cli)
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
