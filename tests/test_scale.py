@@ -370,6 +370,43 @@ def test_deep_verify_checks_the_fragment_table_itself(tmp_path):
     assert result.exit_code == 3 and victim.name in result.output
 
 
+def test_a_big_local_file_is_hashed_once_and_a_changed_byte_still_names_its_tensor(tmp_path, monkeypatch):
+    """Files streamed in chunks (here: every file, as if over 16 MiB): without --deep each byte is
+    hashed once (the whole-file hash), with --deep twice (and every fragment's too); a changed
+    byte is still reported with the tensor it is in, by a second read of that file only."""
+    import zeroshard.storage.hashing as hashing
+    import zeroshard.toolkit.verify as verify_module
+
+    specs, data = training_state()
+    write_checkpoint(str(tmp_path / "c"), specs, data, 2)
+    monkeypatch.setattr(verify_module, "SMALL_FILE_BYTES", 0)
+    hashed = []
+    new_hasher = hashing.new_hasher
+
+    class Counting:
+        def __init__(self):
+            self.inner = new_hasher()
+
+        def update(self, data):
+            hashed.append(len(memoryview(data).cast("B")))
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(hashing, "new_hasher", Counting)
+    total = sum(p.stat().st_size for p in (tmp_path / "c").glob("rank-*"))
+    assert verify(str(tmp_path / "c")).ok and sum(hashed) == total
+    hashed.clear()
+    assert verify(str(tmp_path / "c"), deep=True).ok and sum(hashed) > 1.5 * total
+    victim = tmp_path / "c" / "rank-00001-of-00002.safetensors"
+    flip_byte_in(victim, "embed.weight")
+    for deep in (False, True):
+        problems = verify(str(tmp_path / "c"), deep=deep).problems
+        assert problems and all(victim.name in p for p in problems)
+        assert any("tensor 'embed.weight': content hash mismatch" in p for p in problems), problems
+
+
 KILLED_IN_PACKED_PATH = (
     "import os, signal, sys\n"
     "import zeroshard.storage.location as packed  # packed.py reads through Location.read_whole_into\n"

@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench-recovery"
 JOB = "bench-recovery"  # TierPolicy.job: the memory tier belongs to one named job
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 OPS = ["durable sync save", "memory save blocks", "memory commit R=1", "memory commit R=0", "replica floor",
        "steps",
@@ -224,13 +225,33 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 v.clear()  # warm-up reps touch memory and fill caches: not counted
         for fn in _rotated(saves, rep) + _rotated(loads, rep):
             fn()
+    measured = {op: list(v) for op, v in times.items()}  # the timelines' runs are not counted
+    timelines = _timelines(rank, one, memory_r1, load_peer) if args.timeline else None
     one.save_memory(tag="t")  # what the restarted and the smaller jobs recover from
     one.wait()
     nbytes = sum(f.stat().st_size for f in (disk / "ckpt" / "t").glob("rank-*"))
     if rank == 0:
-        Path(out).write_text(json.dumps({"params": n_params, "bytes": nbytes, "times": times}))
+        Path(out).write_text(json.dumps({"params": n_params, "bytes": nbytes, "times": measured,
+                                         **({"timelines": timelines} if timelines else {})}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timelines(rank: int, one: Any, memory_r1: Callable[[], None], load_peer: Callable[[], None]) -> list:
+    """--timeline: one more R=1 save (to its commit) and one peer load, each under a per-thread
+    timeline on every rank (tools/thread_timeline.py); every rank's, gathered to rank 0."""
+    import torch.distributed as dist
+    from thread_timeline import ThreadTimeline
+
+    mine = {}
+    for name, op in (("memory commit R=1", memory_r1), ("load from peer", load_peer)):
+        with ThreadTimeline() as timeline:
+            op()
+            one.wait()  # the peer load's replicas back, too
+        mine[name] = {"summary": timeline.summary(), "text": timeline.report()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def _baselines(rank: int, world: int, rank_files: Path, shm: Path, disk: Path, args: argparse.Namespace,
@@ -399,6 +420,8 @@ def main() -> None:
     parser.add_argument("--disk", default=str(REPO), help="a folder on the local disk for the durable root")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 baselines (no moto server)")
     parser.add_argument("--json", default=None, help="also write the raw timings here")
+    parser.add_argument("--timeline", action="store_true",
+                        help="then one more R=1 save and peer load under a per-thread timeline on each rank")
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
@@ -491,6 +514,9 @@ def report(result: dict, args: argparse.Namespace) -> None:
           f"S3 load / peer load: {ratio('load S3 (zeroshard)', 'load from peer')} (target >= 5x)")
     print(f"new world: resharded from surviving memory / same-world-size memory load: "
           f"{ratio(NEW_OPS[0], NEW_OPS[1])} (target <= 2x)")
+    for rank, ops in enumerate(result.get("timelines") or []):
+        for name, timeline in ops.items():
+            print(f"\n[timeline: {name}, rank {rank}]\n{timeline['text']}")
 
 
 if __name__ == "__main__":
