@@ -387,3 +387,17 @@ def test_steps_wait_on_a_background_write_only_for_what_it_reads_in_place():
     writer = writing(save, specs[1], 3.0)
     assert detach_seconds(save) < 1.5
     writer.join()
+
+
+def test_a_loaded_scalar_state_goes_where_the_optimizer_keeps_it():
+    """Adam's `step`: where the live state has it, else where torch.optim puts it (the parameter's
+    device only for a capturable or fused group). On a GPU, a `step` on the device costs a plain
+    Adam one sync per parameter per step; tests/test_engine_gpu.py checks it there, this checks
+    the rule on a device every machine has (meta)."""
+    from zeroshard.checkpointing.load import _scalar_device
+
+    master = torch.empty(4, device="meta")
+    assert _scalar_device(None, master, {"lr": 0.1}) == "cpu"
+    assert _scalar_device(None, master, {"capturable": True}) == master.device
+    assert _scalar_device(None, master, {"fused": True}) == master.device
+    assert _scalar_device(torch.tensor(1.0, device="meta"), torch.empty(4), {}) == torch.device("meta")

@@ -148,9 +148,14 @@ def gpu_save_load(rank: int, world: int, stage: int, path: str, slow_writes: boo
             out.update({f"{key}/{info.name}": t.cpu().clone() for key, t in info.tensor_state.items()})
         return out
 
+    def scalar_devices(of: Any = engine) -> set[str]:  # where Adam keeps `step`: host memory for a plain Adam
+        return {str(v.device) for _, info in of.named_shards() for v in info.optimizer_state.values()
+                if torch.is_tensor(v) and v.dim() == 0}
+
     data = list(batches(4, 16))
     for batch in data[:2]:
         step(batch)
+    trained_scalars = scalar_devices()
     engine.save_checkpoint(path, tag="saved")
     saved = snapshot()
     next_loss = step(data[2])
@@ -159,7 +164,13 @@ def gpu_save_load(rank: int, world: int, stage: int, path: str, slow_writes: boo
     loaded = snapshot()
     devices = sorted({info.master.device.type for _, info in engine.named_shards()}
                      | {t.device.type for _, info in engine.named_shards() for t in info.tensor_state.values()})
+    resumed_scalars = scalar_devices()
+    other = make_model()
+    fresh = zeroshard.initialize(model=other, optimizer=torch.optim.Adam(other.parameters(), lr=1e-2),
+                                 config={"zero_optimization": {"stage": stage}})
+    fresh.load_checkpoint(f"{path}/saved")  # a new process's engine: no optimizer state of its own yet
     return {"saved": saved, "changed": changed, "loaded": loaded, "devices": devices,
+            "scalar_devices": (trained_scalars, resumed_scalars, scalar_devices(fresh)),
             "next_loss": next_loss, "next_loss_after_load": step(data[2])}
 
 
@@ -172,6 +183,7 @@ def test_checkpoint_round_trip_on_the_device_is_bit_exact(stage: int, tmp_path) 
                     path=str(tmp_path / "ckpt"))
     for r in out:
         assert r["devices"] == ["cuda"]
+        assert r["scalar_devices"] == ({"cpu"},) * 3  # `step` goes where Adam keeps it, in a fresh engine too
         assert sorted(r["loaded"]) == sorted(r["saved"])
         assert any(not torch.equal(r["changed"][k], r["saved"][k]) for k in r["saved"])  # the step changed them
         for key, value in r["saved"].items():

@@ -170,6 +170,7 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
         if entry.role == "optimizer":
             optimizer_entries.setdefault(entry.param, []).append(entry)
     scalars = (manifest.optimizer or {}).get("scalar_state") or {}
+    options = {name: group.options for group in target.param_groups or () for name in group.params}
     staging = Staging(target.device) if target.device.type == "cuda" else None
     params = []
     for name in names:
@@ -178,7 +179,7 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
         opt: dict[str, Any] = {}
         if load_optimizer_states and info.requires_grad:
             opt = _optimizer_state(reader, optimizer_entries.get(name, []), scalars.get(name, {}), info,
-                                   target.device, staging)
+                                   target.device, staging, options.get(name, {}))
         params.append(dataclasses.replace(info, master=fragment, optimizer_state=opt))
     reader.settle()  # every byte read into the engine is verified before it is used
     if staging is not None:
@@ -227,10 +228,20 @@ def _param_groups(target: EngineState, manifest: Manifest) -> tuple[ParamGroup, 
     return tuple(ParamGroup(tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in groups)
 
 
-def _scalar(entry: dict[str, Any], device: torch.device) -> Any:
+def _scalar(entry: dict[str, Any], device: torch.device | str) -> Any:
     if "dtype" in entry:
         return torch.tensor(entry["value"], dtype=torch_dtype(entry["dtype"]), device=device)
     return entry["value"]
+
+
+def _scalar_device(live: Any, master: torch.Tensor, options: Mapping[str, Any]) -> torch.device | str:
+    """Where the optimizer keeps a scalar state tensor (Adam's `step`): where the live state has
+    it; else where torch.optim puts it, on the parameter's device when the group is capturable or
+    fused, in host memory otherwise. [Note: a `step` on a GPU in a plain Adam costs a device
+    sync per parameter per step (its bias correction calls .item()).]"""
+    if torch.is_tensor(live):
+        return live.device
+    return master.device if options.get("capturable") or options.get("fused") else "cpu"
 
 
 def _in_place(live: Any, dtype: torch.dtype, chunk: int, staging: Staging | None) -> bool:
@@ -263,7 +274,8 @@ def _read_master(reader: CheckpointReader, entry: TensorEntry, info: Any, stagin
 
 
 def _optimizer_state(reader: CheckpointReader, entries: list[TensorEntry], scalars: dict[str, Any], info: Any,
-                     device: torch.device, staging: Staging | None) -> dict[str, Any]:
+                     device: torch.device, staging: Staging | None,
+                     options: Mapping[str, Any]) -> dict[str, Any]:
     """Per-element state is read straight into tensors of the engine's padded layout (`chunk`
     elements, zero padding): the engine's own where it has them (a resumed or reloaded
     engine), else new ones (on the device when `staging` can fill them there), which
@@ -282,7 +294,7 @@ def _optimizer_state(reader: CheckpointReader, entries: list[TensorEntry], scala
             _read(reader, entry, info.start, padded[:owned], staging)
         state[entry.state] = padded if padded.device == device else padded.to(device)
     for key, value in scalars.items():
-        state[key] = _scalar(value, device)
+        state[key] = _scalar(value, _scalar_device(info.optimizer_state.get(key), info.master, options))
     return state
 
 
