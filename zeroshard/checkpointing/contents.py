@@ -55,7 +55,7 @@ class RankContents:
         """The format writer's callback: the bytes of elements [start, end) of `spec`."""
         held = self.held[spec.name]
         part = held.tensor[start - held.start:end - held.start]
-        if part.device.type == "cpu" and self.staging is None:  # (a staging set beforehand stages host tensors too)
+        if part.device.type == "cpu":
             write(memoryview(part.contiguous().view(torch.uint8).numpy()))
             return
         if self.staging is None:
