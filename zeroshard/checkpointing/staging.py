@@ -75,8 +75,8 @@ class Staging:
 
         A piece under SMALL_WRITE_BYTES comes as a fresh host copy instead: the stream writer
         gathers such writes rather than sending them, so they do not finish the write in flight,
-        and a window reused after one could change under that write (seen on an H100: a content
-        hash mismatch on load, a bias between two weights)."""
+        and a window reused after one could change under that write. See [Note: write-behind
+        buffers] (storage/stream_writer.py)."""
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         for at in range(0, raw.numel(), self.window_bytes):
             n = min(self.window_bytes, raw.numel() - at)

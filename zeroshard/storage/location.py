@@ -481,7 +481,8 @@ class AtomicWriter:
     write_behind=True hands each write to a background thread, so the caller reads (and hashes)
     the next chunk while this one is written: a copy loop then costs about max(read, write)
     rather than their sum. At most one write is in flight: the caller must leave the data of a
-    write() unchanged until its next write() returns (two alternating buffers suffice).
+    write() unchanged until its next write() returns (two alternating buffers suffice; through a
+    SafetensorsStreamWriter, see [Note: write-behind buffers] in stream_writer.py).
 
     On S3 the bytes go up as a multipart upload whose parts upload concurrently (multipart.py,
     `zeroshard_part_size` x `zeroshard_uploads_in_flight`); a write returns once its bytes are

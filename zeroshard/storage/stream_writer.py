@@ -23,10 +23,13 @@ class SafetensorsStreamWriter:
     """`with SafetensorsStreamWriter(loc, name, tensors, metadata) as w: w.write(bytes)...`
 
     After the block: `size`, `file_hash` and `tensor_hashes` (name -> hex) describe the file.
-    write_behind: see AtomicWriter. A write of at least SMALL_WRITE_BYTES goes to the writer thread
-    and its data must stay unchanged until the next such write returns (or the block ends).
-    Smaller writes are copied into a gather buffer and release nothing: two alternating buffers
-    are safe only when every write from them is that large (checkpointing.staging keeps to it).
+    write_behind: see AtomicWriter, and [Note: write-behind buffers]: a write of at least
+    SMALL_WRITE_BYTES goes to the writer thread and its data must stay unchanged until the next
+    such write returns (or the block ends). Smaller writes are copied into a gather buffer and
+    release nothing, so two alternating buffers are safe only when every write from them is that
+    large: a caller that reuses buffers hands smaller pieces over as fresh copies
+    (checkpointing.staging does). A small piece in a reused buffer once let the next one overwrite
+    a write still in flight: a GPU save failed its own hash check (CHANGELOG, Fixed).
     """
 
     def __init__(self, location: Location, name: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]],
