@@ -509,16 +509,19 @@ def _profile(engine, zs_root: Path, rank: int, dist) -> dict:
     import io
     import pstats
 
+    def run(op: str, tag: str) -> None:
+        if op == "save":
+            engine.save_checkpoint(str(zs_root), tag=tag)
+        else:
+            engine.load_checkpoint(str(zs_root / tag))
+
     out = {}
     for op in ("save", "load"):
         prof = cProfile.Profile()
         dist.barrier()
         if rank == 0:
             prof.enable()
-        if op == "save":
-            engine.save_checkpoint(str(zs_root), tag="profile")
-        else:
-            engine.load_checkpoint(str(zs_root / "profile"))
+        run(op, "profile")
         if rank == 0:
             prof.disable()
             s = io.StringIO()
@@ -532,10 +535,7 @@ def _profile(engine, zs_root: Path, rank: int, dist) -> dict:
     for op in ("save", "load"):
         dist.barrier()
         with ThreadTimeline() as timeline:
-            if op == "save":
-                engine.save_checkpoint(str(zs_root), tag="timeline")
-            else:
-                engine.load_checkpoint(str(zs_root / "timeline"))
+            run(op, "timeline")
         if rank == 0:
             out[f"{op}_timeline"] = timeline.summary()
             out[f"{op}_timeline_text"] = timeline.report()

@@ -73,10 +73,11 @@ class Staging:
         """The bytes of `tensor` (on any device) in order, a window at a time; each stays valid
         until the one after the next is produced.
 
-        A piece under SMALL_WRITE_BYTES comes as a fresh host copy instead: the stream writer
-        gathers such writes rather than sending them, so they do not finish the write in flight,
-        and a window reused after one could change under that write. See [Note: write-behind
-        buffers] (storage/stream_writer.py)."""
+        A piece under SMALL_WRITE_BYTES skips the windows (a device tensor's piece comes as a
+        fresh host copy, a host tensor's as its own bytes): the stream writer gathers such writes
+        rather than sending them, so they do not finish the write in flight, and a window reused
+        after one could change under that write. See [Note: write-behind buffers]
+        (storage/stream_writer.py)."""
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         for at in range(0, raw.numel(), self.window_bytes):
             n = min(self.window_bytes, raw.numel() - at)
