@@ -165,6 +165,9 @@ def test_failing_destination_raises_on_every_rank_and_keeps_latest(tmp_path, asy
         assert "rank 1" in result[rank]["errors"][0] and "nothing committed" in result[rank]["errors"][0]
     assert (ckpt / "latest").read_text().strip() == "step-00000001"
     assert not (ckpt / "step-00000002" / "zeroshard.json").exists()
+    # rank 0 wrote its file and removed it when rank 1 failed; what is not the save's stays
+    assert [p.name for p in (ckpt / "step-00000002").iterdir()] == ["rank-00001-of-00002.safetensors"]
+    assert (ckpt / "step-00000002" / "rank-00001-of-00002.safetensors").is_dir()
 
 
 def test_async_save_matches_sync_and_keep_last_prunes(tmp_path):

@@ -113,6 +113,44 @@ def test_a_stateful_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     assert not (tmp_path / "ck" / "latest").exists()
 
 
+def save_with_a_full_disk_on(rank: int, world: int, path: str, full: int) -> dict[str, Any]:
+    """A committed save, then one during which rank `full`'s write fails (its disk is full)."""
+    from zeroshard.checkpointing import save as save_module
+
+    engine = _engine()
+    _step(engine, rank)
+    engine.save_checkpoint(path, tag="good")
+    real = save_module.write_rank_file
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        if rank == full:
+            raise OSError(28, "No space left on device (injected)")
+        return real(*args, **kwargs)
+
+    save_module.write_rank_file = write
+    try:
+        engine.save_checkpoint(path, tag="next")
+    except zeroshard.CheckpointSaveError as exc:
+        return {"error": str(exc)}
+    finally:
+        save_module.write_rank_file = real  # the worker process runs other tests after this one
+    return {"error": None}
+
+
+@pytest.mark.parametrize("full", [0, 1])
+def test_a_failed_save_leaves_no_rank_files_and_no_folder_behind(tmp_path, full):
+    """Before, the ranks that did write kept their files (a failed save on a full disk left its
+    rank files there, filling the disk for the next save) and the tag's folder stayed."""
+    from zeroshard.toolkit.verify import verify
+
+    result = run_ranks(save_with_a_full_disk_on, 2, timeout=120, path=str(tmp_path / "ck"), full=full)
+    assert all(r["error"] and "No space left" in r["error"] and "nothing committed" in r["error"] for r in result)
+    assert not (tmp_path / "ck" / "next").exists()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["good", "latest"]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "good"
+    assert verify(str(tmp_path / "ck")).ok
+
+
 def load_legacy(rank: int, world: int, path: str) -> dict[str, Any]:
     engine = _engine(seed=3)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
@@ -259,12 +297,15 @@ def writes_behind_per_save_kind(rank: int, world: int, path: str) -> dict[str, A
         return real(*args, **kwargs)
 
     save_module.write_rank_file = spy
-    engine = _engine(stage=1)
-    _step(engine, rank)
-    at_save = engine.full_state_dict()
-    engine.save_checkpoint(path, tag="sync")
-    engine.save_checkpoint(path, tag="async", async_save=True)  # state in host memory: read in place
-    engine.wait()
+    try:
+        engine = _engine(stage=1)
+        _step(engine, rank)
+        at_save = engine.full_state_dict()
+        engine.save_checkpoint(path, tag="sync")
+        engine.save_checkpoint(path, tag="async", async_save=True)  # state in host memory: read in place
+        engine.wait()
+    finally:
+        save_module.write_rank_file = real  # the worker process runs other tests after this one
     fresh = _engine(seed=9, stage=1)
     fresh.load_checkpoint(path + "/sync")
     loaded = fresh.full_state_dict()

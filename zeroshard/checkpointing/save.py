@@ -17,6 +17,7 @@ storage round trip at all (a slow fsync of the claim never reaches the training 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -91,9 +92,13 @@ def new_checkpoint_id() -> str:
 
 
 def write_and_commit(job: SaveJob, group: Any) -> None:
-    """Steps 2 to 4 (collective on `group`)."""
+    """Steps 2 to 4 (collective on `group`). When a rank fails to write, every rank removes the
+    file it wrote, and the tag's folder goes too if that leaves it empty: a failed save (a full
+    disk, often) leaves no rank files to fill the disk again. Once the manifest is written the
+    files are committed and stay, whatever fails after."""
     target = job.root.child(job.tag)
     claim: Claim | None = None
+    abandoned = False
     try:
         error = None
         if job.rank == 0:
@@ -112,7 +117,14 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
         except Exception as exc:  # reported to every rank
             result, error = None, CheckpointSaveError(
                 f"{target.url}: save failed, nothing committed: rank {job.rank}: {exc}")
-        results = agree_on_save(error, group, result)
+        try:
+            results = agree_on_save(error, group, result)
+        except BaseException:
+            abandoned = True
+            if result is not None:  # the tag is still claimed: nobody else writes there now
+                with contextlib.suppress(Exception):  # the save's own error is the one to report
+                    target.remove(result.file.name)
+            raise
         error = None
         if job.rank == 0:
             try:
@@ -131,6 +143,8 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
     finally:
         if claim is not None:
             claim.release()
+        if abandoned:  # whichever rank removes its file last also removes the folder
+            job.root.remove_if_empty(job.tag)
 
 
 def prune(root: Location, keep_last: int, keep: str) -> None:

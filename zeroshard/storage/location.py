@@ -27,6 +27,7 @@ from zeroshard.errors import InvalidArgumentError, StorageError
 from zeroshard.storage.describe import describe_error
 from zeroshard.storage.owner import owner_tag
 from zeroshard.storage.remote_io import BlockBudget, split_options
+from zeroshard.storage.writeback import WritebackPacer, start_writeback
 
 if TYPE_CHECKING:  # remote-only machinery is imported where used: a local command starts faster
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -348,6 +349,13 @@ class Location:
                 self.fs.copy(self.full_path(name), dest.full_path(name))
                 self.fs.rm(self.full_path(name))
 
+    def remove_if_empty(self, name: str = "") -> None:
+        """Remove the local folder `name` if nothing is in it (else, or if gone, leave it); object
+        stores have no folders. Never removes anything another process may have put there."""
+        if self.local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.full_path(name))
+
     def remove(self, name: str, recursive: bool = False) -> None:
         with storage_errors(self.url_of(name)):
             path = self.full_path(name)
@@ -500,6 +508,7 @@ class AtomicWriter:
 
             self._executor = ThreadPoolExecutor(1, "zeroshard-write")
         self._pending: Future | None = None
+        self._writeback: WritebackPacer | None = None  # local files
         self.bytes_written = 0
 
     def __enter__(self) -> "AtomicWriter":
@@ -509,6 +518,7 @@ class AtomicWriter:
                 loc.makedirs()
                 self._temp = loc.full_path(loc.temp_name(self._name))
                 self._file = open(self._temp, "wb", buffering=0)
+                self._writeback = WritebackPacer()
                 return self
             from zeroshard.storage.multipart import ConcurrentMultipartUpload, is_s3
 
@@ -528,11 +538,14 @@ class AtomicWriter:
 
     def _write_now(self, view: memoryview) -> None:
         with storage_errors(self.where):
+            due = self._writeback is not None and self._writeback.due(len(view))
             while view:  # raw local files may write partially
                 n = self._file.write(view)
                 n = len(view) if n is None else n
                 self.bytes_written += n
                 view = view[n:]
+            if due:
+                start_writeback(self._file.fileno())  # [Note: early writeback] in writeback.py
 
     def _wait_pending(self) -> None:
         """Let the write in flight finish; its error, if any, is raised here."""

@@ -23,6 +23,7 @@ import threading
 
 from zeroshard.errors import InvalidArgumentError
 from zeroshard.storage.location import Location, storage_errors
+from zeroshard.storage.writeback import WritebackPacer, start_writeback
 
 RELEASE_EVERY_BYTES = 64 * 1024 * 1024
 
@@ -49,7 +50,8 @@ class MappedOutput:
         self.where = location.url_of(name)
         self._map: mmap.mmap | None = None
         self.view = memoryview(b"")
-        self._fd: int | None = None  # opened on the first pwrite
+        self._fd: int | None = None  # opened on the first pwrite or writeback
+        self._writeback = WritebackPacer()  # [Note: early writeback] in storage/writeback.py
 
     @classmethod
     def create(cls, location: Location, name: str, size: int) -> "MappedOutput":
@@ -96,15 +98,25 @@ class MappedOutput:
         """Write a big piece with a system call: no page faults on this side, no zero-filling of
         fresh pages before they are overwritten (what a memcpy into the map costs)."""
         with storage_errors(self.where):
-            if self._fd is None:
-                self._fd = os.open(self.temp_path, os.O_WRONLY)
+            fd, due = self._descriptor(), self._writeback.due(len(data))
             while len(data):
-                written = os.pwrite(self._fd, data, offset)
+                written = os.pwrite(fd, data, offset)
                 data, offset = data[written:], offset + written
+            if due:
+                start_writeback(fd)
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.temp_path, os.O_WRONLY)
+        return self._fd
 
     def wrote(self, nbytes: int) -> None:
         """Account for bytes just written (or read) through the map. The budget is this thread's,
-        across all its outputs: past RELEASE_EVERY_BYTES, every output drops its mapped pages."""
+        across all its outputs: past RELEASE_EVERY_BYTES, every output drops its mapped pages. Every
+        WRITEBACK_BYTES of this output, its write-out to disk starts ([Note: early writeback])."""
+        if self._writeback.due(nbytes):
+            with storage_errors(self.where):
+                start_writeback(self._descriptor())
         budget = _residency
         budget.touched.add(self)
         budget.nbytes += nbytes
