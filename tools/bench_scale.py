@@ -17,7 +17,8 @@ Reported: the median and IQR of the paired ratios (command / baseline, per repea
 of each command, and (--in-process) its time after interpreter start-up and imports.
 Part 2: a `--plan-ranks`-rank checkpoint of `--plan-tensors` tensors: `zeroshard inspect` and load
 planning for one rank, each a fresh process (median seconds; inspect's peak RSS, bar 200 MiB).
-Raw JSON: tools/results/bench_scale.json (--json PATH elsewhere).
+Raw JSON: tools/results/bench_scale.json, with --floor tools/results/bench_scale_floor.json (--json PATH
+elsewhere).
 
     python tools/bench_scale.py --floor --tensors 300 --numel 16384 --ranks 1024 --to 1000 --few 8
 
@@ -253,7 +254,9 @@ def main() -> None:
     if args.floor:
         floor(args, rep, work)
         shutil.rmtree(work, ignore_errors=True)
-        print("\n" + rep.table() + f"\n\nraw JSON: {rep.finish(args.json)}")
+        # its own file: the floor run must not replace the main run's results
+        default = benchlib.RESULTS / "bench_scale_floor.json"
+        print("\n" + rep.table() + f"\n\nraw JSON: {rep.finish(args.json or default)}")
         return
 
     built = build(ckpt, args.tensors, args.numel, args.ranks)
