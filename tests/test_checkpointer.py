@@ -442,3 +442,29 @@ def test_a_loaded_scalar_state_goes_where_the_optimizer_keeps_it():
     assert _scalar_device(None, master, {"capturable": True}) == master.device
     assert _scalar_device(None, master, {"fused": True}) == master.device
     assert _scalar_device(torch.tensor(1.0, device="meta"), torch.empty(4), {}) == torch.device("meta")
+
+
+@pytest.mark.parametrize("outcome, removes", [
+    ("others failed", True),  # the exchange completed: every rank saw the failure, none commits
+    ("own failure", True),
+    ("peer lost", False),  # the exchange failed here: rank 0 may have committed, keep the file
+    ("exchange broke", False),
+])
+def test_a_save_removes_its_file_only_when_the_ranks_agreed_it_failed(monkeypatch, outcome, removes):
+    from zeroshard.checkpointing import save as save_module
+    from zeroshard.errors import CheckpointSaveError, OtherRanksFailedError, PeerLostError
+
+    own = CheckpointSaveError("rank 1: disk full") if outcome == "own failure" else None
+    raised = {"others failed": OtherRanksFailedError("the checkpoint save", {0: "disk full"}),
+              "own failure": own,
+              "peer lost": PeerLostError("the checkpoint save", {0: "nodeA"}, "connection closed"),
+              "exchange broke": RuntimeError("gloo: connection reset by peer")}[outcome]
+
+    def agree(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(save_module, "agree", agree)
+    abandoned = []
+    with pytest.raises((CheckpointSaveError, PeerLostError)):
+        save_module.agree_on_save(own, None, None, lambda: abandoned.append(True))
+    assert abandoned == ([True] if removes else [])

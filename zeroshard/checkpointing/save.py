@@ -74,15 +74,27 @@ def claim_tag(root: Location, tag: str) -> Claim:
     return claim
 
 
-def agree_on_save(error: BaseException | None, group: Any, payload: Any) -> list[Any]:
-    """zeroshard.agree, with every failure raised as CheckpointSaveError (on every rank)."""
+def agree_on_save(error: BaseException | None, group: Any, payload: Any,
+                  abandon: Callable[[], None] | None = None) -> list[Any]:
+    """zeroshard.agree, with every failure raised as CheckpointSaveError (on every rank).
+
+    `abandon` runs before the raise when the exchange completed and a rank had failed: then
+    every rank that completed it saw that failure, so none commits, and what this rank wrote can
+    go. Not when the exchange itself failed here (a lost peer, a broken connection): rank 0 may
+    have completed it and committed, and a committed checkpoint must keep every file."""
     try:
         return agree(error, group, action=ACTION, payload=payload)
-    except (CheckpointSaveError, PeerLostError):  # a lost peer is named as such, on every survivor
+    except (CheckpointSaveError, PeerLostError) as exc:  # a lost peer is named as such, on every survivor
+        if exc is error and abandon is not None:
+            abandon()
         raise
     except OtherRanksFailedError as exc:
+        if abandon is not None:
+            abandon()
         raise CheckpointSaveError(f"nothing committed: {exc}") from None
     except Exception as exc:  # this rank's own failure
+        if exc is error and abandon is not None:
+            abandon()
         message = str(exc) if isinstance(exc, ZeroshardError) else f"{type(exc).__name__}: {exc}"
         raise CheckpointSaveError(f"nothing committed: {message}") from exc
 
@@ -94,8 +106,10 @@ def new_checkpoint_id() -> str:
 def write_and_commit(job: SaveJob, group: Any) -> None:
     """Steps 2 to 4 (collective on `group`). When a rank fails to write, every rank removes the
     file it wrote, and the tag's folder goes too if that leaves it empty: a failed save (a full
-    disk, often) leaves no rank files to fill the disk again. Once the manifest is written the
-    files are committed and stay, whatever fails after."""
+    disk, often) leaves no rank files to fill the disk again. Only once the ranks agreed on the
+    failure (agree_on_save's `abandon`): a rank that lost its peers keeps its file, since rank 0
+    may have committed. Once the manifest is written the files are committed and stay, whatever
+    fails after."""
     target = job.root.child(job.tag)
     claim: Claim | None = None
     abandoned = False
@@ -117,14 +131,14 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
         except Exception as exc:  # reported to every rank
             result, error = None, CheckpointSaveError(
                 f"{target.url}: save failed, nothing committed: rank {job.rank}: {exc}")
-        try:
-            results = agree_on_save(error, group, result)
-        except BaseException:
+        def abandon() -> None:
+            nonlocal abandoned
             abandoned = True
             if result is not None:  # the tag is still claimed: nobody else writes there now
                 with contextlib.suppress(Exception):  # the save's own error is the one to report
                     target.remove(result.file.name)
-            raise
+
+        results = agree_on_save(error, group, result, abandon)
         error = None
         if job.rank == 0:
             try:
