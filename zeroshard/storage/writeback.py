@@ -52,8 +52,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range through ctypes (Python's os does not wrap it), looked up once, on
     the first file big enough to need it: small jobs never import ctypes."""
     global _call, _looked_up
-    if not _looked_up:
-        _looked_up = True
+    if not _looked_up:  # two threads may both look it up: the same function either way
         try:
             import ctypes
 
@@ -61,6 +60,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
             function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
             function.restype = ctypes.c_int
             _call = function
-        except (OSError, AttributeError, ImportError):
+        except Exception:  # no such symbol (macOS), no process handle to look in (Windows): a hint lost
             _call = None
+        _looked_up = True
     return _call
