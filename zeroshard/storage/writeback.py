@@ -10,8 +10,9 @@ more than the tail. PostgreSQL (`checkpoint_flush_after`, `backend_flush_after`)
 comes from the fsync alone, and where the call is missing (not Linux, no glibc or musl symbol) or
 fails (a filesystem without writeback, such as tmpfs, has nothing to do) nothing changes.
 Measured here (`python tools/bench_writeback.py`, 512 MB in 4 MiB writes): write + fsync took
-0.243 s with the write-out started every 32 MiB against 0.334 s without (0.73x; every 8 MiB 0.71x,
-every 128 MiB 0.79x). What it buys the toolkit and the engine's saves: CHANGELOG.
+0.243 s with the write-out started every 32 MiB against 0.335 s without (0.72x; every 8 MiB 0.71x,
+every 128 MiB 0.78x; tools/results/bench_writeback.json). What it buys the toolkit and the engine's
+saves: CHANGELOG.
 """
 
 from __future__ import annotations
