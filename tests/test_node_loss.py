@@ -316,6 +316,11 @@ def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resum
         resumed = jobs.submit(_run_to_end, tmp_path, "resumed", ["nodeA", "nodeB"], "job-1", [*args, "0"])
         alone, two, resumed, reference = alone.result(), two.result(), resumed.result(), reference.result()
         assert sorted(alone) == [0, 1] and alone == two and sorted(alone[0]) == list(range(start, 6))
+    for copy in ("alone", "two"):  # saved again at 2 ranks: no rank file of the torn 4-rank save stays
+        for folder in (tmp_path / copy).glob("step-*"):
+            if int(folder.name[5:]) > start:
+                stray = [p.name for p in folder.iterdir() if p.name.startswith("rank-") and "-of-00002." not in p.name]
+                assert not stray, (folder, stray)
     assert resumed == {r: {s: v for s, v in steps.items() if s >= start} for r, steps in reference.items()}
     assert (ckpt / "latest").read_text().strip() == "step-00000006"
 

@@ -446,8 +446,9 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     """List, then (with --yes) remove what interrupted writers left under PATH.
 
     Hidden temp files and staging folders (.zeroshard-tmp-*), claims of dead writers
-    (.zeroshard-claim) and, on S3, pending multipart uploads. A leftover of a live process on
-    this host is never stale; one of another host or an S3 upload is stale once older than AGE.
+    (.zeroshard-claim), the rank files of saves torn by a lost node (beside such a claim, no
+    manifest) and, on S3, pending multipart uploads. A leftover of a live process on this host
+    is never stale; one of another host or an S3 upload is stale once older than AGE.
     Committed checkpoints and any other file are never touched.
     """
     from zeroshard.storage.location import Location

@@ -24,12 +24,19 @@ from typing import Any, Callable
 
 from zeroshard.agree import agree
 from zeroshard.checkpointing.contents import RankContents
-from zeroshard.errors import CheckpointError, CheckpointSaveError, OtherRanksFailedError, PeerLostError, ZeroshardError
+from zeroshard.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    ClaimError,
+    OtherRanksFailedError,
+    PeerLostError,
+    ZeroshardError,
+)
 from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, update_latest, write_rank_file
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
 from zeroshard.storage import Location
-from zeroshard.storage.claim import Claim, take_claim
+from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.leftovers import remove_leftovers_of_others
 
 ACTION = "the checkpoint save"
@@ -67,7 +74,7 @@ def claim_tag(root: Location, tag: str) -> Claim:
             raise CheckpointSaveError(f"{root.url_of(tag)}: a committed checkpoint with this tag exists and is never "
                                       f"overwritten; pass another tag (save(path, tag=...)), save into a new root, "
                                       f"or remove that folder first")
-        remove_leftovers_of_others(root.child(tag))  # temp files or uploads of an earlier, killed save
+        remove_leftovers_of_others(root.child(tag), claim.took_over)  # what an earlier, killed or torn save left
     except BaseException:
         claim.release()
         raise
@@ -109,10 +116,16 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
     disk, often) leaves no rank files to fill the disk again. Only once the ranks agreed on the
     failure (agree_on_save's `abandon`): a rank that lost its peers keeps its file, since rank 0
     may have committed. Once the manifest is written the files are committed and stay, whatever
-    fails after."""
+    fails after. See [Note: torn saves] for what rank 0 does with its claim."""
     target = job.root.child(job.tag)
     claim: Claim | None = None
     abandoned = False
+    settled = False  # rank 0: the save committed, or every rank that goes on knows it failed
+
+    def nothing_written() -> None:
+        nonlocal settled
+        settled = True
+
     try:
         error = None
         if job.rank == 0:
@@ -120,7 +133,7 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
                 claim = claim_tag(job.root, job.tag)
             except Exception as exc:  # another writer, or a committed tag: nobody writes
                 error = exc
-        agree_on_save(error, group, None)
+        agree_on_save(error, group, None, nothing_written)
         try:
             target.makedirs()
             specs = job.contents.specs
@@ -132,8 +145,8 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             result, error = None, CheckpointSaveError(
                 f"{target.url}: save failed, nothing committed: rank {job.rank}: {exc}")
         def abandon() -> None:
-            nonlocal abandoned
-            abandoned = True
+            nonlocal abandoned, settled
+            abandoned = settled = True
             if result is not None:  # the tag is still claimed: nobody else writes there now
                 with contextlib.suppress(Exception):  # the save's own error is the one to report
                     target.remove(result.file.name)
@@ -147,6 +160,7 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
                 manifest = build_manifest(specs, job.world_size, results, job.checkpoint_id, tag=job.tag,
                                           client_state=job.client_state, **fields)
                 commit_checkpoint(target, manifest)
+                settled = True
                 update_latest(job.root, job.tag)
                 if job.keep_last:
                     prune(job.root, job.keep_last, keep=job.tag)
@@ -156,28 +170,63 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
         agree_on_save(error, group, None)
     finally:
         if claim is not None:
-            claim.release()
+            if settled:
+                claim.release()
+            else:
+                claim.mark_torn()
         if abandoned:  # whichever rank removes its file last also removes the folder
             job.root.remove_if_empty(job.tag)
 
 
+# [Note: torn saves]
+# A save is torn when it stops after ranks may have written, without a commit and without an
+# agreed failure: rank 0 lost a peer (a node died), its own commit failed, or it was interrupted.
+# Then nobody knows which rank files exist, and no surviving rank may delete them on its own (rank
+# 0 may have committed, for all a non-zero rank knows). So rank 0 does not release its claim but
+# marks it torn (storage.claim): a writer is no longer blocked by it, and it tells whose the rank
+# files beside it are. They go at the next save of that tag (claim_tag: at any world size, none of
+# the old files stays beside the new), at the next pruning (keep_last), or with `zeroshard clean`.
+# When rank 0 itself dies, its claim stays unmarked; the claim rules (docs/SAFETY.md, section 3)
+# decide when it may be taken over, and its files then go the same ways.
+
+
 def prune(root: Location, keep_last: int, keep: str) -> None:
-    """Delete committed checkpoints beyond the newest `keep_last` (by step, then name).
-    Runs only after the new checkpoint committed and `latest` moved to it."""
+    """Delete committed checkpoints beyond the newest `keep_last` (by step, then name), and the
+    files of torn saves ([Note: torn saves]). Runs only after the new checkpoint committed and
+    `latest` moved to it."""
     committed = []
     for name in root.list():
         folder = root.child(name)
         if root.is_link(name) or folder.is_link(MANIFEST_NAME):
             continue  # a link leads out of the root: what it points at is never ours to delete
-        if is_safe_file_name(name) and folder.exists(MANIFEST_NAME):
+        if not is_safe_file_name(name):
+            continue
+        if folder.exists(MANIFEST_NAME):
             try:
                 step = load_manifest(folder).step or 0
             except CheckpointError:
                 continue  # not ours to judge: leave it
             committed.append((step, name))
+        elif name != keep and folder.exists(CLAIM_NAME):
+            remove_torn_save(root, name)  # only where its writer is known to be gone
     committed.sort()
     doomed = [name for _, name in committed[:-keep_last] if name != keep]
     for name in doomed:
         folder = root.child(name)
         folder.remove(MANIFEST_NAME)  # un-commit first: a half-deleted folder never looks complete
         root.remove(name, recursive=True)
+
+
+def remove_torn_save(root: Location, tag: str) -> None:
+    """Remove what a torn save left in `root/tag`. Its claim is taken as a new save's would be:
+    a claim marked torn, or one whose writer is known to be gone (the claim rules, docs/SAFETY.md);
+    a live or unproven writer's is left alone (ClaimError), and so is anything in the folder that is
+    not a zeroshard writer's leftover, and the folder then."""
+    with contextlib.suppress(ClaimError):
+        claim = take_claim(root.child(tag), "checkpoint tag", job_scoped=True)
+        try:
+            if not root.child(tag).exists(MANIFEST_NAME):
+                remove_leftovers_of_others(root.child(tag), claim.took_over)
+        finally:
+            claim.release()
+        root.remove_if_empty(tag)

@@ -115,7 +115,7 @@ def prepare_output(target: Location, overwrite: bool, inputs: Iterable[Location]
     refuse_file_in_the_way(target)
     claim = take_claim(target)
     try:
-        remove_leftovers_of_others(target)
+        remove_leftovers_of_others(target, claim.took_over)
         existing = [n for n in target.list() if not is_temp_name(n) and n != CLAIM_NAME]
         if existing and not overwrite:
             raise OutputExistsError(target.url)

@@ -9,6 +9,11 @@ claim of another host is taken over only once older than STALE_CLAIM_S (`zerosha
 records the launcher's run id: a claim of the same run made by another process was left by an
 earlier incarnation of this job (its launcher re-formed the world without it, on any host), so it
 is taken over at once, with one log line naming the old owner (docs/SAFETY.md, section 3).
+
+A claim *marked torn* (`Claim.mark_torn`) is one whose writer has finished without committing and
+without knowing that every file of its output was removed (a checkpoint save that lost a peer): it
+blocks no writer, and it marks the files beside it as an interrupted writer's, for `zeroshard
+clean`, pruning and the next save of that tag to remove.
 """
 
 from __future__ import annotations
@@ -36,12 +41,29 @@ log = logging.getLogger(__name__)
 class Claim:
     location: Location
     nonce: str
+    # taken over from an earlier writer (dead, torn or superseded): output files it left in the
+    # folder without a commit file are that writer's (leftovers.remove_leftovers_of_others)
+    took_over: bool = False
 
     def release(self) -> None:
         """Remove the claim if it is still ours (best effort: a failure here loses nothing)."""
         with contextlib.suppress(Exception):
             if read_claim(self.location).get("nonce") == self.nonce:
                 self.location.remove(CLAIM_NAME)
+
+    def mark_torn(self) -> None:
+        """Instead of release(): this writer has stopped without committing, and files it (or its
+        peers) wrote may remain. The claim stays, rewritten atomically as torn, so it no longer
+        blocks a writer and marks those files as an interrupted writer's (best effort, as release)."""
+        with contextlib.suppress(Exception):
+            doc = read_claim(self.location)
+            if doc.get("nonce") == self.nonce:
+                self.location.write_bytes(CLAIM_NAME, json.dumps({**doc, "torn": time.time()}).encode())
+
+
+def is_torn(doc: dict) -> bool:
+    """Whether a claim's content (read_claim) says its writer stopped without committing."""
+    return isinstance(doc.get("torn"), (int, float)) and not isinstance(doc.get("torn"), bool)
 
 
 def read_claim(location: Location) -> dict:
@@ -65,25 +87,35 @@ def take_claim(location: Location, what: str = "output", *, job_scoped: bool = F
     if run_id is not None:
         doc.update(job=run_id, restart=job_restart_count())
     body = json.dumps(doc).encode()
+    took_over = False
     for _ in range(3):
         if location.create_exclusive(CLAIM_NAME, body):
-            return Claim(location, nonce)
+            return Claim(location, nonce, took_over)
         holder = read_claim(location)
         if holder.get("nonce") == nonce:  # our PUT landed, its answer was lost, and the retry was refused
-            return Claim(location, nonce)
+            return Claim(location, nonce, took_over)
         if not holder and location.exists(CLAIM_NAME) and not location.is_link(CLAIM_NAME):
             time.sleep(0.05)  # being written by its creator (only where no hard links): look again
             holder = read_claim(location)
         age = time.time() - holder["time"] if isinstance(holder.get("time"), (int, float)) else 0.0
         alive = owner_alive(str(holder.get("owner", "")))
-        if alive is False or (alive is None and age > STALE_CLAIM_S) or location.is_link(CLAIM_NAME):
+        link = location.is_link(CLAIM_NAME)
+        if alive is False or (alive is None and age > STALE_CLAIM_S) or link:
             _take_over(location, holder.get("nonce"))
+            took_over = took_over or not link  # a link is nobody's claim: it vouches for no files
+            continue
+        if is_torn(holder):
+            log.warning("%s: taking over the claim of %s left by a writer that stopped without committing "
+                        "(owner %s)", location.url_of(CLAIM_NAME), what, holder.get("owner", "?"))
+            _take_over(location, holder.get("nonce"))
+            took_over = True
             continue
         if run_id is not None and _superseded(holder, run_id):
             log.warning("%s: taking over the claim of %s (owner %s, restart %s of this job %s): "
                         "that incarnation is gone", location.url_of(CLAIM_NAME), what,
                         holder.get("owner", "?"), holder.get("restart", "?"), run_id)
             _take_over(location, holder.get("nonce"))
+            took_over = True
             continue
         since = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder["time"]))
                  if isinstance(holder.get("time"), (int, float)) else "?")

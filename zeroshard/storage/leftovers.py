@@ -11,7 +11,8 @@ One more kind has no hidden name: the output files of a writer that wrote straig
 empty folder (an S3 output; a local one by zeroshard before 0.1.1) and died before its commit
 file. They are recognized by the dead writer's claim beside them, our output names (rank files,
 HF shards `model-N-of-M`), and no commit file (manifest, HF index) nor interrupted swap there;
-they take the claim's owner and age.
+they take the claim's owner and age. A claim marked torn (storage.claim) has no live writer:
+a checkpoint save that lost a peer left it, with the rank files its surviving ranks wrote.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zeroshard.storage.claim import CLAIM_NAME
+from zeroshard.storage.claim import CLAIM_NAME, is_torn
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_alive, owner_of_temp
 
@@ -62,12 +63,18 @@ def find_leftovers(location: Location, recursive: bool = True) -> list[Leftover]
         return _find_remote(location, recursive) + _find_uploads(location, recursive)
 
 
-def remove_leftovers_of_others(location: Location) -> None:
-    """For a writer that has just claimed `location`: remove the leftovers directly in it. The
-    claim shuts out every other zeroshard writer, so whatever is here belongs to a dead one;
-    only a live process of this host (an older zeroshard?) and an interrupted swap are spared."""
+def remove_leftovers_of_others(location: Location, took_over: bool = False) -> None:
+    """For a writer that has just claimed `location`, before it writes: remove the leftovers
+    directly in it. The claim shuts out every other zeroshard writer, so whatever is here belongs
+    to a dead one; only a live process of this host (an older zeroshard?) and an interrupted swap
+    are spared. `took_over`: the claim was taken over from an earlier writer (Claim.took_over);
+    then output files without a commit file are that writer's and go too (nobody commits them,
+    and a save at another world size would otherwise leave them beside its own). Without a claim
+    before ours nothing says whose such files are, and they stay."""
     for leftover in find_leftovers(location, recursive=False):
-        if leftover.kind != "claim" and not leftover.keep and leftover.alive is not True:
+        if leftover.kind == "claim" or leftover.keep:
+            continue
+        if leftover.alive is not True or (took_over and leftover.kind == "uncommitted file"):
             leftover.remove()
 
 
@@ -91,8 +98,8 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
             else:
                 out.append(Leftover(url, "temp file", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif entry.name == CLAIM_NAME or entry.name.startswith(CLAIM_NAME + ".stale-"):
-            owner = "" if entry.is_symlink() else _claim_owner(entry.path)
-            alive = False if entry.name != CLAIM_NAME else owner_alive(owner)
+            doc = {} if entry.is_symlink() else _claim_doc(entry.path)
+            alive = False if entry.name != CLAIM_NAME or is_torn(doc) else owner_alive(str(doc.get("owner", "")))
             out.append(Leftover(url, "claim", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif recursive and entry.is_dir(follow_symlinks=False):  # never into a link: it leads elsewhere
             out.extend(_find_local(location, entry.path, recursive))
@@ -130,13 +137,13 @@ def _keep_reason(stage: str, target: str) -> str:
     return KEEP_REASON if os.path.exists(os.path.join(stage, SWAP_MARKER)) else ""
 
 
-def _claim_owner(path: str) -> str:
+def _claim_doc(path: str) -> dict:
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read(4096))
-        return str(doc.get("owner", "")) if isinstance(doc, dict) else ""
+        return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
-        return ""
+        return {}
 
 
 def _unlink(path: str) -> Callable[[], None]:
@@ -175,14 +182,15 @@ def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
         if hit is not None and (recursive or hit == 0):
             groups.setdefault("/".join(parts[:hit + 1]), []).append(info)
         elif parts[-1] == CLAIM_NAME and (recursive or len(parts) == 1):
-            owner = ""
+            doc = {}
             try:
                 doc = json.loads(fs.cat_file(key, start=0, end=4096))
-                owner = str(doc.get("owner", "")) if isinstance(doc, dict) else ""
+                doc = doc if isinstance(doc, dict) else {}
             except Exception:
                 pass
+            alive = False if is_torn(doc) else owner_alive(str(doc.get("owner", "")))
             out.append(Leftover(f"{location.url}/{'/'.join(parts)}", "claim", int(info.get("size") or 0),
-                                _age(info, now), owner_alive(owner), _rm(fs, key)))
+                                _age(info, now), alive, _rm(fs, key)))
     out.extend(_uncommitted_remote(fs, location, root, found, out, groups, now))
     for rel, infos in groups.items():
         name = rel.rsplit("/", 1)[-1]

@@ -1,5 +1,6 @@
 """`zeroshard clean`: list, then remove, what dead writers left under a path: hidden temp files
-and staging folders, claims, and pending S3 multipart uploads (see storage.leftovers)."""
+and staging folders, claims, uncommitted output files (a torn save's rank files) and pending S3
+multipart uploads (see storage.leftovers)."""
 
 from __future__ import annotations
 
@@ -46,4 +47,7 @@ def clean(path: str, *, older_than_s: float = 3600.0, dry_run: bool = True,
                 leftover.remove()
             except ZeroshardError as exc:
                 report.errors.append(str(exc))
+        # a torn save's folder held only what it wrote: when that is all gone, so is the folder
+        for folder in {x.url.rsplit("/", 1)[0] for x in report.stale if x.kind == "uncommitted file"}:
+            Location(folder, storage_options).remove_if_empty()
     return report
