@@ -268,3 +268,27 @@ def test_engine_helpers_read_only_what_the_engine_view_declares():
     assert len(used) > 15  # the scan sees their reads
     outside = sorted(f"{f}: engine.{a}" for f, a in used if a not in members)
     assert not outside, "read of the engine beyond EngineView (declare it there, public): " + ", ".join(outside)
+
+
+LOCAL_RUN = """
+import sys
+from zeroshard.cli import main
+main(sys.argv[1:], standalone_mode=False)
+assert "fsspec" not in sys.modules, "fsspec was imported"
+"""
+
+
+def test_local_commands_never_import_fsspec(tmp_path):
+    """A plain local folder is served by os calls: fsspec (and asyncio under it) would add about
+    50 ms to every command's start-up. Each whole command runs, its output's clean-up included."""
+    from checkpoints import training_state, write_checkpoint
+
+    specs, data = training_state()
+    ck = str(tmp_path / "ck")
+    write_checkpoint(ck, specs, data, 2)
+    for args in (["reshard", ck, "--to", "3", "-o", str(tmp_path / "r3")],
+                 ["consolidate", ck, str(tmp_path / "model.safetensors")],
+                 ["shard", str(tmp_path / "model.safetensors"), str(tmp_path / "s2"), "--world", "2"],
+                 ["verify", ck], ["inspect", ck], ["clean", str(tmp_path)]):
+        result = subprocess.run([sys.executable, "-c", LOCAL_RUN, *args], capture_output=True, text=True)
+        assert result.returncode == 0, (args, result.stderr[-2000:])

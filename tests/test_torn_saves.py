@@ -46,21 +46,25 @@ def torn_save(rank: int, world: int, root: str, tag: str) -> str:
     from zeroshard.errors import PeerLostError
 
     engine = _engine()
-    real = save_module.agree
-    mine = os.path.join(root, tag, RANK_FILES_OF_2[rank])
+    real_agree, real_write, wrote = save_module.agree, save_module.write_rank_file, []
+
+    def write_rank_file(*args, **kwargs):
+        result = real_write(*args, **kwargs)
+        wrote.append(True)
+        return result
 
     def agree(error, group, **kwargs):
-        if os.path.exists(mine):  # the exchange of results, after this rank wrote its file
+        if wrote:  # the exchange of results, after this rank wrote its file
             raise PeerLostError("the checkpoint save", {1 - rank: "nodeB"}, "Connection closed by peer")
-        return real(error, group, **kwargs)
+        return real_agree(error, group, **kwargs)
 
-    save_module.agree = agree
+    save_module.agree, save_module.write_rank_file = agree, write_rank_file
     try:
         engine.save_checkpoint(root, tag=tag)
     except Exception as exc:
         return type(exc).__name__
     finally:
-        save_module.agree = real
+        save_module.agree, save_module.write_rank_file = real_agree, real_write
     return "saved"
 
 
@@ -153,3 +157,23 @@ def test_rank_files_no_claim_vouches_for_are_never_removed(tmp_path):
     (root / "step-00000002" / "rank-00003-of-00004.safetensors").write_bytes(b"mine")
     run_ranks(save_tags, 1, root=str(root), tags=["step-00000002"])
     assert (root / "step-00000002" / "rank-00003-of-00004.safetensors").read_bytes() == b"mine"
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(300)
+def test_a_torn_save_on_s3_is_marked_and_saved_again_at_another_world_size(s3_bucket, s3_endpoint):
+    import s3fs
+
+    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                      "AWS_DEFAULT_REGION")}
+    root, tag = f"{s3_bucket}/ck", "step-00000002"
+    outcomes = run_ranks(torn_save, 2, root=root, tag=tag, fresh=True, env=env, timeout=180)
+    assert outcomes == ["PeerLostError", "PeerLostError"], outcomes
+    fs = s3fs.S3FileSystem()
+    folder = f"{root[len('s3://'):]}/{tag}"
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(folder)) == [CLAIM_NAME, *RANK_FILES_OF_2]
+    assert is_torn(json.loads(fs.cat_file(f"{folder}/{CLAIM_NAME}")))
+    run_ranks(save_tags, 1, root=root, tags=[tag], env=env, timeout=180)
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(folder)) == ["rank-00000-of-00001.safetensors",
+                                                                   "zeroshard.json"]

@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 import posixpath
+import shutil
 import stat
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -357,11 +358,16 @@ class Location:
                 os.rmdir(self.full_path(name))
 
     def remove(self, name: str, recursive: bool = False) -> None:
+        """Remove file `name` (gone already: nothing to do); `recursive`: a folder and all in it.
+        Locally a link is removed itself, never what it points at, and fsspec is not imported."""
         with storage_errors(self.url_of(name)):
             path = self.full_path(name)
-            if self.local and not recursive:
+            if self.local:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    if recursive and os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)  # never follows links inside the tree
+                    else:
+                        os.unlink(path)
             elif self.fs.exists(path):
                 self.fs.rm(path, recursive=recursive)
 
