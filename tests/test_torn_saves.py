@@ -97,6 +97,8 @@ def test_a_torn_save_is_marked_and_its_files_go_when_the_tag_is_saved_again_at_a
     for name in [*RANK_FILES_OF_2, CLAIM_NAME]:
         assert f"{root / 'step-00000002' / name}" in listed, listed
     assert "3 stale leftover(s)" in listed, listed
+    listed = _cli("ls", str(root))
+    assert "step-00000002" in listed and "INCOMPLETE: 2 rank file(s), no zeroshard.json: a torn save" in listed, listed
 
     # the job goes on with one rank and saves that tag again: not refused, and nothing of the
     # 2-rank save stays beside the new one

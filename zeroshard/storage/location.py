@@ -20,7 +20,6 @@ import errno
 import mmap
 import os
 import posixpath
-import shutil
 import stat
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -365,6 +364,8 @@ class Location:
             if self.local:
                 with contextlib.suppress(FileNotFoundError):
                     if recursive and os.path.isdir(path) and not os.path.islink(path):
+                        import shutil  # here: it imports bz2, lzma and zlib, a cost to every command's start-up
+
                         shutil.rmtree(path)  # never follows links inside the tree
                     else:
                         os.unlink(path)

@@ -9,6 +9,7 @@ from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
 from zeroshard.format.folder import MAX_LATEST_BYTES, load_manifest
 from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, is_rank_file_name
+from zeroshard.storage.claim import CLAIM_NAME, is_torn, read_claim
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.toolkit.load import select
 
@@ -82,6 +83,12 @@ def _describe(folder: Location, name: str) -> dict[str, Any]:
                 "parameters": sum(t.numel for t in m.tensors.values() if t.role == "param")}
     names = folder.list()
     ranks = [n for n in names if is_rank_file_name(n)]
+    if CLAIM_NAME in names:  # a save's folder (docs/SAFETY.md, section 3)
+        why = ("a torn save: its writer stopped without committing (zeroshard clean removes it)"
+               if is_torn(read_claim(folder)) else
+               "being written, or its writer was killed (zeroshard clean tells which and removes it then)")
+        return {"name": name, "status": "incomplete",
+                "problem": f"{len(ranks)} rank file(s), no {MANIFEST_NAME}: {why}"}
     if ranks or any(n.startswith(TEMP_PREFIX) for n in names):
         return {"name": name, "status": "incomplete",
                 "problem": f"{len(ranks)} rank file(s) but no {MANIFEST_NAME}: the save never committed"}
