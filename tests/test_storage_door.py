@@ -78,3 +78,20 @@ def test_a_durable_create_killed_half_way_leaves_no_torn_file(tmp_path: Path, di
     assert (tmp_path / "claim.json").read_bytes() == b"whole"
     assert not loc.create_exclusive("claim.json", b"again")  # still exclusive
     assert sorted(os.listdir(tmp_path)) == sorted([*left, "claim.json"])  # no temp of its own left
+
+
+def test_remove_takes_a_folder_a_file_or_a_link_itself_and_never_what_a_link_points_at(tmp_path):
+    loc = Location(tmp_path / "root")
+    (tmp_path / "root" / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "root" / "tree" / "sub" / "f").write_bytes(b"1")
+    (tmp_path / "root" / "file").write_bytes(b"2")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep").write_bytes(b"3")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root" / "link")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root" / "tree" / "inner-link")
+    loc.remove("tree", recursive=True)  # a link inside the tree goes, its target stays
+    loc.remove("file", recursive=True)
+    loc.remove("link", recursive=True)
+    loc.remove("missing", recursive=True)  # gone already: nothing to do
+    assert os.listdir(tmp_path / "root") == []
+    assert (tmp_path / "elsewhere" / "keep").read_bytes() == b"3"
