@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from test_clean import dead_owner
 
 import zeroshard
 from zeroshard.cli import main
 from zeroshard.storage.claim import CLAIM_NAME, is_torn
-from zeroshard.storage.owner import host_id, owner_tag
+from zeroshard.storage.owner import owner_tag
 
 from distributed import run_ranks
 
@@ -127,8 +126,7 @@ def _claim(folder: Path, owner: str) -> None:
 def test_pruning_removes_torn_saves_whose_writers_are_gone_and_nothing_else(tmp_path):
     root = tmp_path / "ck"
     _torn(root, "step-00000001")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _claim(root / "step-00000002", f"{host_id()}.{int(dead.stdout)}")  # its rank 0 was killed: claim unmarked
+    _claim(root / "step-00000002", dead_owner())  # its rank 0 was killed: claim unmarked
     _claim(root / "step-00000003", owner_tag())  # a live writer (this process)
     (root / "mine").mkdir()
     (root / "mine" / RANK_FILES_OF_2[0]).write_bytes(b"x" * 10)  # no claim: nothing says whose it is

@@ -66,6 +66,12 @@ def is_torn(doc: dict) -> bool:
     return isinstance(doc.get("torn"), (int, float)) and not isinstance(doc.get("torn"), bool)
 
 
+def writer_alive(doc: dict) -> bool | None:
+    """Whether the writer a claim's content names is still writing: False once marked torn, else
+    its owner process's state (owner.owner_alive: None when it is of another host)."""
+    return False if is_torn(doc) else owner_alive(str(doc.get("owner", "")))
+
+
 def read_claim(location: Location) -> dict:
     """The claim's content ({} when absent or unreadable)."""
     try:

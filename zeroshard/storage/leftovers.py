@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zeroshard.storage.claim import CLAIM_NAME, is_torn
+from zeroshard.storage.claim import CLAIM_NAME, writer_alive
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_alive, owner_of_temp
 
@@ -99,7 +99,7 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
                 out.append(Leftover(url, "temp file", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif entry.name == CLAIM_NAME or entry.name.startswith(CLAIM_NAME + ".stale-"):
             doc = {} if entry.is_symlink() else _claim_doc(entry.path)
-            alive = False if entry.name != CLAIM_NAME or is_torn(doc) else owner_alive(str(doc.get("owner", "")))
+            alive = False if entry.name != CLAIM_NAME else writer_alive(doc)
             out.append(Leftover(url, "claim", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif recursive and entry.is_dir(follow_symlinks=False):  # never into a link: it leads elsewhere
             out.extend(_find_local(location, entry.path, recursive))
@@ -188,9 +188,8 @@ def _find_remote(location: Location, recursive: bool) -> list[Leftover]:
                 doc = doc if isinstance(doc, dict) else {}
             except Exception:
                 pass
-            alive = False if is_torn(doc) else owner_alive(str(doc.get("owner", "")))
             out.append(Leftover(f"{location.url}/{'/'.join(parts)}", "claim", int(info.get("size") or 0),
-                                _age(info, now), alive, _rm(fs, key)))
+                                _age(info, now), writer_alive(doc), _rm(fs, key)))
     out.extend(_uncommitted_remote(fs, location, root, found, out, groups, now))
     for rel, infos in groups.items():
         name = rel.rsplit("/", 1)[-1]
