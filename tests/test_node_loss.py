@@ -25,7 +25,7 @@ import pytest
 from zeroshard.errors import PeerLostError
 from zeroshard.peers import is_peer_loss
 from zeroshard.storage import Location
-from zeroshard.storage.claim import CLAIM_NAME, ClaimError, take_claim
+from zeroshard.storage.claim import CLAIM_NAME, SILENT_CLAIM_S, ClaimError, take_claim
 from zeroshard.storage.owner import host_id
 
 from distributed import free_port
@@ -329,10 +329,11 @@ def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resum
 @pytest.mark.parametrize("stage, async_save, committed, interrupted",
                          [(1, "1", "step-00000002", "step-00000004"), (3, "0", "step-00000004", "step-00000006")])
 def test_a_replaced_rank_0_node_saves_the_interrupted_tag_again_and_goes_on_exactly(
-        tmp_path, reference_losses, stage, async_save, committed, interrupted):
+        tmp_path, monkeypatch, reference_losses, stage, async_save, committed, interrupted):
     """The node holding rank 0 dies inside a save, leaving its claim: the async save of step 4, or
     (sync) the save of step 6 after the save of step 4 committed. The job comes back with a
-    replacement node (another host) under the same run id and saves that tag again."""
+    replacement node (another host) under the same run id and saves that tag again; another job
+    (another run id) on the surviving node alone does too, once the dead claim's heartbeat is silent."""
     args = [str(tmp_path / "ckpt"), str(stage), "6", async_save]
     with ThreadPoolExecutor(1) as jobs:  # run beside the killed job when no earlier test ran it
         reference = jobs.submit(reference_losses, stage)
@@ -341,9 +342,29 @@ def test_a_replaced_rank_0_node_saves_the_interrupted_tag_again_and_goes_on_exac
     assert rc != 0
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == committed
     assert (tmp_path / "ckpt" / interrupted / CLAIM_NAME).exists(), text[-3000:]  # the dead rank 0's claim
+    # Another job (another run id, other hosts) on a copy: refused that tag while the dead claim's
+    # heartbeat is recent, it takes the tag over once the claim is silent for SILENT_CLAIM_S
+    # (the wait simulated by moving the last beat back), and saves it at its own world size.
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "other")
+    dead_claim = tmp_path / "other" / interrupted / CLAIM_NAME
+    doc = json.loads(dead_claim.read_text())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-3")
+    monkeypatch.setenv("ZEROSHARD_HOST_ID", "nodeD")
+    with pytest.raises(ClaimError, match="last heartbeat"):
+        take_claim(Location(str(dead_claim.parent)), "checkpoint tag", job_scoped=True)
+    dead_claim.write_text(json.dumps({**doc, "beat": doc["beat"] - SILENT_CLAIM_S - 60}))
     survivor = "nodeB" if lost == "nodeA" else "nodeA"
-    resumed = _run_to_end(tmp_path, "replaced", [survivor, "nodeC"], "job-2", [*args, "0"])
+    with ThreadPoolExecutor(2) as jobs:
+        other = jobs.submit(_run_to_end, tmp_path, "other-job", ["nodeD"], "job-3",
+                            [str(tmp_path / "other"), *args[1:], "0"])
+        resumed = _run_to_end(tmp_path, "replaced", [survivor, "nodeC"], "job-2", [*args, "0"])
+        other = other.result()
     start = int(committed[-2:])
     assert resumed == {r: {s: v for s, v in steps.items() if s >= start} for r, steps in reference.items()}
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000006"
     _verify(tmp_path / "ckpt" / interrupted)
+    assert sorted(other) == [0, 1] and sorted(other[0]) == list(range(start, 6))
+    assert (tmp_path / "other" / "latest").read_text().strip() == "step-00000006"
+    assert sorted(p.name for p in (tmp_path / "other" / interrupted).iterdir()) == [
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors", "zeroshard.json"]
+    _verify(tmp_path / "other" / interrupted)

@@ -448,7 +448,8 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     Hidden temp files and staging folders (.zeroshard-tmp-*), claims of dead writers
     (.zeroshard-claim), the rank files of saves torn by a lost node (beside such a claim, no
     manifest) and, on S3, pending multipart uploads. A leftover of a live process on this host
-    is never stale; one of another host or an S3 upload is stale once older than AGE.
+    is never stale; one of another host or an S3 upload is stale once older than AGE (a claim
+    also once its writer's heartbeat has been silent for 10 minutes).
     Committed checkpoints and any other file are never touched.
     """
     from zeroshard.storage.location import Location

@@ -159,6 +159,8 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
                 fields["extra"] = {**fields.get("extra", {}), **job.manifest_extra}
                 manifest = build_manifest(specs, job.world_size, results, job.checkpoint_id, tag=job.tag,
                                           client_state=job.client_state, **fields)
+                if claim is not None:
+                    claim.check_held()  # a writer presumed gone never commits over its successor
                 commit_checkpoint(target, manifest)
                 settled = True
                 update_latest(job.root, job.tag)

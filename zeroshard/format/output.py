@@ -61,6 +61,8 @@ class PreparedOutput:
         """Put `names` (written in the stage) in place, then `commit_file` last; delete old files
         matching `stale` that the new output does not use. `uncommit`: old files that vouch for the
         old output, removed before any old file is replaced."""
+        if self.claim is not None:
+            self.claim.check_held()  # a writer presumed gone never commits over its successor
         names = list(names)
         keep = set(names) | ({commit_file[0]} if commit_file else set())
         if self.staged:

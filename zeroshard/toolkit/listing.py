@@ -9,7 +9,7 @@ from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
 from zeroshard.format.folder import MAX_LATEST_BYTES, load_manifest
 from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, is_rank_file_name
-from zeroshard.storage.claim import CLAIM_NAME, is_torn, read_claim
+from zeroshard.storage.claim import CLAIM_NAME, is_torn, read_claim, silent_for, writer_alive
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.toolkit.load import select
 
@@ -84,15 +84,27 @@ def _describe(folder: Location, name: str) -> dict[str, Any]:
     names = folder.list()
     ranks = [n for n in names if is_rank_file_name(n)]
     if CLAIM_NAME in names:  # a save's folder (docs/SAFETY.md, section 3)
-        why = ("a torn save: its writer stopped without committing (zeroshard clean removes it)"
-               if is_torn(read_claim(folder)) else
-               "being written, or its writer was killed (zeroshard clean tells which and removes it then)")
+        why = _claim_state(read_claim(folder))
         return {"name": name, "status": "incomplete",
                 "problem": f"{len(ranks)} rank file(s), no {MANIFEST_NAME}: {why}"}
     if ranks or any(n.startswith(TEMP_PREFIX) for n in names):
         return {"name": name, "status": "incomplete",
                 "problem": f"{len(ranks)} rank file(s) but no {MANIFEST_NAME}: the save never committed"}
     return {"name": name, "status": "other", "problem": "not a checkpoint"}
+
+
+def _claim_state(doc: dict[str, Any]) -> str:
+    """What the claim in an uncommitted folder says of its writer."""
+    if is_torn(doc):
+        return "a torn save: its writer stopped without committing (zeroshard clean removes it)"
+    alive, silent = writer_alive(doc), silent_for(doc)
+    if alive is False:
+        return "its writer is gone (zeroshard clean removes it)"
+    if alive is True:
+        return "being written"
+    if silent is not None:
+        return f"being written on another host (last heartbeat {max(silent, 0.0):.0f} s ago)"
+    return "being written, or its writer was killed (zeroshard clean tells which and removes it then)"
 
 
 def format_listing(info: dict[str, Any]) -> str:
