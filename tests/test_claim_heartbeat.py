@@ -18,6 +18,7 @@ from zeroshard.errors import ClaimError
 from zeroshard.storage import Location
 from zeroshard.storage import claim as claim_module
 from zeroshard.storage.claim import CLAIM_NAME, SILENT_CLAIM_S, STALE_CLAIM_S, take_claim
+from zeroshard.storage.owner import host_id, owner_alive
 
 from distributed import run_ranks
 
@@ -64,16 +65,19 @@ def test_a_torn_claim_stops_beating(tmp_path, monkeypatch):
     ("silent", True),              # no beat for SILENT_CLAIM_S: its writer is gone
     ("no beat, young", False),     # an earlier zeroshard's claim: the 6-hour rule, as before
     ("no beat, old", True),
+    ("this host, pid reused", True),  # a live pid that does not beat is not the writer's
     ("beat in the future", False),  # a clock ahead of ours proves nothing
     ("beat not a number", False),
 ])
-def test_another_hosts_claim_is_taken_over_once_silent(tmp_path, caplog, case, taken):
+def test_a_claim_is_taken_over_once_silent(tmp_path, caplog, case, taken):
+    assert owner_alive(f"{host_id()}.1") is True  # pid 1 is always there
     now = time.time()
     fields = {"beating": {"beat": now - 30},
               "old but beating": {"time": now - STALE_CLAIM_S - 60, "beat": now - 30},
               "silent": {"time": now - SILENT_CLAIM_S - 90, "beat": now - SILENT_CLAIM_S - 60},
               "no beat, young": {"time": now - SILENT_CLAIM_S - 60},
               "no beat, old": {"time": now - STALE_CLAIM_S - 60},
+              "this host, pid reused": {"owner": f"{host_id()}.1", "beat": now - SILENT_CLAIM_S - 60},
               "beat in the future": {"beat": now + 3600},
               "beat not a number": {"beat": "soon", "time": now - SILENT_CLAIM_S - 60}}[case]
     before = _leave_claim(tmp_path / "t", **fields)
@@ -88,9 +92,9 @@ def test_another_hosts_claim_is_taken_over_once_silent(tmp_path, caplog, case, t
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
         claim = take_claim(loc)
     assert claim.took_over and _doc(tmp_path / "t")["nonce"] == claim.nonce
-    if case == "silent":
+    if case in ("silent", "this host, pid reused"):
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "no heartbeat for" in lines[0] and OTHER_HOST in lines[0], lines
+        assert len(lines) == 1 and "no heartbeat for" in lines[0] and fields.get("owner", OTHER_HOST) in lines[0], lines
     claim.release()
 
 

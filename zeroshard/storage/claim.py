@@ -5,8 +5,9 @@ Locally the claim is created with O_CREAT|O_EXCL; on S3 with a conditional PUT
 it and the other is refused before it writes a byte. The claim names its owner (host id and
 pid) so that a claim left by a killed process on this host is taken over on the next run. Another
 host's processes cannot be seen, so while its writer runs a heartbeat thread rewrites the claim's
-`beat` time every HEARTBEAT_S: a claim of another host silent for SILENT_CLAIM_S is taken over
-(its writer's process is gone), one still beating never is, however long the write. A claim
+`beat` time every HEARTBEAT_S: a claim silent for SILENT_CLAIM_S is taken over (its writer's
+process is gone; on this host, its pid was reused), one still beating never is, however long the
+write. A claim
 without a beat (written by an earlier zeroshard) is taken over only once older than
 STALE_CLAIM_S (`zeroshard clean --older-than` removes either sooner), and before it commits a
 writer checks that its claim is still its own. A job-scoped claim (a checkpoint save's, taken by
@@ -121,14 +122,11 @@ def silent_for(doc: dict, now: float | None = None) -> float | None:
 
 def writer_alive(doc: dict) -> bool | None:
     """Whether the writer a claim's content names is still writing: False once marked torn or
-    silent past SILENT_CLAIM_S, else its owner process's state (owner.owner_alive: None when it is
-    of another host)."""
-    if is_torn(doc):
+    silent past SILENT_CLAIM_S (a live writer beats: a live pid that does not is a reused one),
+    else its owner process's state (owner.owner_alive: None when it is of another host)."""
+    if is_torn(doc) or (silent_for(doc) or 0.0) > SILENT_CLAIM_S:
         return False
-    alive = owner_alive(str(doc.get("owner", "")))
-    if alive is None and (silent_for(doc) or 0.0) > SILENT_CLAIM_S:
-        return False
-    return alive
+    return owner_alive(str(doc.get("owner", "")))
 
 
 def read_claim(location: Location) -> dict:
@@ -187,9 +185,9 @@ def take_claim(location: Location, what: str = "output", *, job_scoped: bool = F
             _take_over(location, holder.get("nonce"))
             took_over = took_over or not link  # a link is nobody's claim: it vouches for no files
             continue
-        if alive is None and silent is not None and silent > SILENT_CLAIM_S:
-            log.warning("%s: taking over the claim of %s (owner %s, another host): no heartbeat for %.0f s, "
-                        "its writer is gone", location.url_of(CLAIM_NAME), what, holder.get("owner", "?"), silent)
+        if silent is not None and silent > SILENT_CLAIM_S:  # of another host, or a pid reused since
+            log.warning("%s: taking over the claim of %s (owner %s): no heartbeat for %.0f s, its writer "
+                        "is gone", location.url_of(CLAIM_NAME), what, holder.get("owner", "?"), silent)
             _take_over(location, holder.get("nonce"))
             took_over = True
             continue
