@@ -34,10 +34,14 @@ def _import(src: Path, out: Path, *extra: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False) -> dict:
+def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False,
+            frozen: tuple[str, ...] = ()) -> dict:
     import zeroshard
 
-    engine = zeroshard.initialize(model=make_model(seed=1), optimizer=make_optimizer,
+    model = make_model(seed=1)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    engine = zeroshard.initialize(model=model, optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH,
                                           "bf16": {"enabled": bf16}})
@@ -75,7 +79,10 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
 VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
-            "universal": (".", False), "universal_stage3": (".", False)}
+            "universal": (".", False), "universal_stage3": (".", False),
+            "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
+            "frozen_universal_stage3": (".", False)}
+FROZEN = ("fc.weight", "fc.bias")  # frozen in the frozen_stage* fixtures (tools/make_deepspeed_fixtures.py)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -89,10 +96,21 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     _, manifest = open_checkpoint(str(out))
     assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
     steps = [3, 4, 5]
-    got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=steps, bf16=bf16,
+    frozen = FROZEN if variant.startswith("frozen") else ()
+    if frozen:  # carried as parameters without optimizer state, as the engine saves its own frozen ones
+        assert {n for n in frozen if n in manifest.tensors and manifest.tensors[n].role == "param"} == set(frozen)
+        assert not [t for t in manifest.tensors.values() if t.param in frozen]
+    got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=steps, bf16=bf16, frozen=frozen,
                     init_process_group=False)[0]
     assert got["global_steps"] == 6
     assert {k: got["client"][k] for k in expected["client_state"]} == expected["client_state"]
+    if variant == "frozen_universal_stage3":
+        # DeepSpeed's own load_universal restores only what its optimizer holds (engine.py skips the
+        # module state dict then), so its resume starts from fresh frozen weights; the import
+        # carries them and continues as the uninterrupted run did.
+        assert expected["losses_resumed"] != pytest.approx(expected["losses_after"], rel=1e-3)
+        assert got["losses"] == pytest.approx(expected["losses_after"], rel=1e-5), (got["losses"], expected)
+        return
     assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
 
 
@@ -244,7 +262,8 @@ def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "hf/checkpoint-3"])
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "hf/checkpoint-3", "frozen_stage2",
+                                   "frozen_stage3"])
 def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
     """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -257,3 +276,33 @@ def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
     assert sorted(mine) == sorted(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(mine[name].float(), tensor.float()), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_stage_1_frozen_parameters_come_from_the_module_state_dict():
+    """At stage 1 DeepSpeed records frozen parameters nowhere but the module state dict (its own
+    zero_to_fp32 leaves them out): the import carries them with the values saved there."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    src = FIXTURES / "frozen_stage1"
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    ours = read_deepspeed(str(src))
+    assert set(FROZEN).isdisjoint(theirs) and set(FROZEN) <= set(ours.params)
+    module = torch.load(src / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    for name in FROZEN:
+        assert torch.equal(ours.params[name].float(), module[name].float()), name
+    for name, tensor in theirs.items():
+        mine = ours.params.get(name, ours.buffers.get(name))
+        mine = ours.params[ours.aliases[name]] if mine is None else mine
+        assert torch.equal(mine.float(), tensor.float()), name
+
+
+def test_a_stage_3_import_without_a_ranks_slice_of_a_frozen_parameter_is_refused(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "frozen_stage3", src)
+    (src / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in result.output and "frozen" in result.output, result.output
+    assert not (tmp_path / "out" / "zeroshard.json").exists()

@@ -17,7 +17,11 @@ config AdamW, so DeepSpeedCPUAdam with its int `step`); bf16 (stage 1, bf16 with
 accumulation: DeepSpeed's BF16_Optimizer, `bf16_zero_pp_rank_*` files); bf16_stage2 (the ZeRO
 optimizer in bf16, also `bf16_` files); hf (stage 2 saved the way Hugging Face's Trainer does,
 into `checkpoint-3/` with `trainer_state.json` beside `global_step3/`); universal (stage 2
-converted by DeepSpeed's own ds_to_universal, resumed by DeepSpeed with `load_universal`).
+converted by DeepSpeed's own ds_to_universal, resumed by DeepSpeed with `load_universal`);
+frozen_stage1/2/3 (FROZEN parameters have requires_grad False, as in fine-tuning: DeepSpeed
+keeps them out of its optimizer and saves them in the model-states files only);
+frozen_universal_stage3 (frozen_stage3 through ds_to_universal, which keeps them only in the
+per-rank model-states files it copies).
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ VARIANTS = {
     "hf": {"stage": 2, "hf": True},
     "universal": {"stage": 2, "universal": True},
     "universal_stage3": {"stage": 3, "universal": True},
+    "frozen_stage1": {"stage": 1, "frozen": True},
+    "frozen_stage2": {"stage": 2, "frozen": True},
+    "frozen_stage3": {"stage": 3, "frozen": True},
+    "frozen_universal_stage3": {"stage": 3, "frozen": True, "universal": True},
 }
+FROZEN = ("fc.weight", "fc.bias")  # the frozen variants' frozen parameters: random, so a drop shows
 
 
 def ds_config(variant: dict, resume: bool = False) -> dict:
@@ -79,6 +88,9 @@ def _engine(variant: dict, seed: int, resume: bool = False):
     import deepspeed
 
     model = make_model(seed)
+    if variant.get("frozen"):  # as a fine-tuning run freezes part of the model; the optimizer gets them all
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in FROZEN)
     if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
         model.bfloat16()
     if variant.get("offload"):

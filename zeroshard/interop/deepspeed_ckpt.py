@@ -41,6 +41,7 @@ from zeroshard.interop.deepspeed_common import (
     TRAINER_STATE,
     carry_trainer_state,
     fill_from_model,
+    gather_frozen_stage3,
     int_field,
     load_model_states,
     optimizer_scalar,
@@ -174,8 +175,9 @@ def _read(folder: str) -> Imported:
     else:
         _flat_stage3(imp, optim_paths, osds, groups_shapes)
     base = osds[0].get("base_optimizer_state" if stage < 3 else "optimizer_state_dict") or {}
+    frozen = gather_frozen_stage3(folder, world, model_path, model) if stage == 3 else None
     fill_from_model(imp, folder, model_path, model, groups_shapes, ds_config, base.get("param_groups"),
-                    osds[0].get("loss_scaler"))
+                    osds[0].get("loss_scaler"), frozen)
     return imp
 
 

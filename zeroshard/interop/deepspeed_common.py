@@ -12,7 +12,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import files, torch_zip
-from zeroshard.interop.imported import Imported, LazyTensor, optimizer_class_of
+from zeroshard.interop.imported import Flat, Imported, LazyTensor, is_tensor, optimizer_class_of, with_shape
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
@@ -91,9 +91,12 @@ def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str
 
 
 def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, groups_shapes: list[dict],
-                    ds_config: dict, param_groups: Any, loss_scaler: Any) -> None:
+                    ds_config: dict, param_groups: Any, loss_scaler: Any,
+                    frozen_fragments: dict[str, Any] | None = None) -> None:
     """Everything but the tensors of the optimizer files: hyperparameters (`param_groups`, the
-    optimizer's saved list), buffers, ties, counters, dtypes, loss scale, scheduler, client state."""
+    optimizer's saved list), buffers, frozen parameters (`frozen_fragments`: stage 3's, gathered
+    over the ranks' files; else from `model`), ties, counters, dtypes, loss scale, scheduler,
+    client state."""
     hyper = []
     for g, shapes in enumerate(groups_shapes):
         saved = dict((param_groups or [{}] * len(groups_shapes))[g])
@@ -113,13 +116,14 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     module = model.get("module") or {}
     imp.buffers = {n: module[n].materialize() if isinstance(module[n], LazyTensor) else module[n].detach().clone()
                    for n in model["buffer_names"] if n in module}
+    carry_frozen(imp, model_path, model, frozen_fragments)
     imp.aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items() if v in imp.params}
-    known = set(imp.params) | set(imp.buffers) | set(imp.aliases) | set(model.get("frozen_param_shapes") or {})
-    untied = [k for k in module if k not in known]
-    if untied:
-        imp.notes.append(f"not recorded as tied by DeepSpeed, left out: {', '.join(untied)}")
-    if model.get("frozen_param_shapes"):
-        imp.notes.append("frozen parameters were left out: " + ", ".join(model["frozen_param_shapes"]))
+    known = set(imp.params) | set(imp.buffers) | set(imp.aliases)
+    untied = [k for k in module if k not in known and _holds_data(module[k])]
+    if untied:  # stage 3 only (stages 1-2 carry every other module tensor as frozen): a layout not understood
+        raise CheckpointError(model_path, f"module tensors neither parameters, buffers, frozen parameters nor "
+                                          f"recorded ties: {', '.join(untied[:6])}{' ...' if len(untied) > 6 else ''}; "
+                                          "importing without them would lose them")
 
     imp.global_steps = int_field(model_path, model.get("global_steps"), "global_steps")
     imp.skipped_steps = int_field(model_path, model.get("skipped_steps"), "skipped_steps")
@@ -146,6 +150,69 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
         except TypeError as exc:
             imp.notes.append(f"{exc}: left out")
     imp.client_state = client
+
+
+def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[str, Any] | None) -> None:
+    """Parameters DeepSpeed's optimizer does not hold (requires_grad False, or no elements) exist
+    only in the model-states file: as `frozen_param_shapes` + `frozen_param_fragments` (stages 2-3;
+    stage 3's fragments are per rank, gathered by the caller) or, at stage 1, only in the module
+    state dict, as every module tensor that is no trainable parameter, buffer or recorded tie.
+    Carried as parameters without optimizer state, as the engine saves its own frozen ones."""
+    module = model.get("module") or {}
+    declared = model.get("frozen_param_shapes")
+    if declared is None:  # stage 1 (DeepSpeed records frozen parameters from stage 2 on)
+        ties, buffers = set(model.get("shared_params") or {}), set(model["buffer_names"])
+        declared = {k: tuple(v.shape) for k, v in module.items()
+                    if k not in imp.params and k not in buffers and k not in ties and is_tensor(v)}
+    shapes = check_param_shapes(model_path, [declared])[0]
+    if fragments is None:
+        fragments = model.get("frozen_param_fragments") or {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        value = next((v for v in (fragments.get(name), module.get(name)) if is_tensor(v) and v.numel() == numel), None)
+        if value is None:
+            raise CheckpointError(model_path, f"frozen parameter {name!r} of shape {list(shape)} has no saved value "
+                                              "of that size; importing without it would lose it")
+        if name in imp.params:
+            raise CheckpointError(model_path, f"{name!r} is both a trainable and a frozen parameter")
+        imp.params[name] = with_shape(value, shape)
+
+
+def gather_frozen_stage3(folder: str, world: int, model_path: str, model: dict) -> dict[str, Any]:
+    """Stage 3's frozen parameters, whole: each rank's model-states file in `folder` holds, per
+    frozen parameter, that rank's ceil(n/world) slice (padded), as the trainable ones are cut
+    (`model`: rank 0's, read already)."""
+    import torch
+
+    shapes = check_param_shapes(model_path, [model.get("frozen_param_shapes") or {}])[0]
+    if not shapes:
+        return {}
+    per_rank = []
+    for rank in range(world):
+        path = files.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        states = model if rank == 0 else torch_zip.load_lazy(path, folder) if files.isfile(path) else None
+        if not isinstance(states, dict):
+            raise CheckpointError(path, "missing or not a model-states file: it holds this rank's slices of the "
+                                        "frozen parameters")
+        per_rank.append((path, states.get("frozen_param_fragments") or {}))
+    whole = {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        part = math.ceil(numel / world)
+        pieces = []
+        for path, fragments in per_rank:
+            piece = fragments.get(name)
+            if not is_tensor(piece) or piece.numel() != part:
+                raise CheckpointError(path, f"frozen parameter {name!r}: expected this rank's slice of {part} "
+                                            f"elements, got {'none' if piece is None else piece.numel()}")
+            pieces.append(Flat.of(piece, torch.float32))
+        whole[name] = Flat.cat(pieces, torch.float32).slice(0, numel).tensor(tuple(shape), torch_zip.LAZY_BYTES)
+    return whole
+
+
+def _holds_data(value: Any) -> bool:
+    """A module tensor with elements (stage 3 saves parameters there as empty placeholders)."""
+    return is_tensor(value) and value.numel() > 0
 
 
 def carry_trainer_state(imp: Imported, folder: str) -> None:

@@ -24,7 +24,13 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
-from zeroshard.interop.deepspeed_common import fill_from_model, int_field, load_model_states, optimizer_scalar
+from zeroshard.interop.deepspeed_common import (
+    fill_from_model,
+    gather_frozen_stage3,
+    int_field,
+    load_model_states,
+    optimizer_scalar,
+)
 from zeroshard.interop.imported import Imported, is_tensor, with_shape
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
@@ -84,8 +90,10 @@ def read_universal(folder: str) -> Imported:
         for name, shape in shapes.items():
             _read_param(imp, folder, zero, name, shape)
             imp.scalar_state[name] = {**shared, **imp.scalar_state[name]}  # a per-parameter step.pt wins
+    # stage 3's conversion copies every rank's model-states file: the frozen parameters' slices
+    frozen = gather_frozen_stage3(folder, world, model_path, model) if stage == 3 else None
     fill_from_model(imp, folder, model_path, model, groups_shapes, ds_config, common["param_groups"],
-                    common.get("loss_scaler"))
+                    common.get("loss_scaler"), frozen)
     return imp
 
 
