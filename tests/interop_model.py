@@ -32,9 +32,16 @@ class TinyTied(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def make_model(seed: int = 0) -> TinyTied:
+def make_model(seed: int = 0, frozen: tuple[str, ...] = ()) -> TinyTied:
+    """The model; parameters named in `frozen` get requires_grad False, as fine-tuning leaves them."""
     torch.manual_seed(seed)
-    return TinyTied()
+    model = TinyTied()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    return model
+
+
+FROZEN = ("fc.weight", "fc.bias")  # frozen in the fixtures of frozen parameters: random, so a drop shows
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -58,12 +65,13 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
-def zeroshard_resumed_losses(rank: int, world_size: int, path: str, stage: int = 3, clip: float = 0.0) -> list[float]:
+def zeroshard_resumed_losses(rank: int, world_size: int, path: str, stage: int = 3, clip: float = 0.0,
+                             frozen: tuple[str, ...] = ()) -> list[float]:
     """A rank of run_ranks: zeroshard resumes an imported checkpoint and trains steps 3-5 (the
     steps the fixtures' own tools trained after saving at step 2); the mean losses."""
     import zeroshard
 
-    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
+    engine = zeroshard.initialize(model=make_model(1, frozen), optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": clip,
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH})
     engine.load_checkpoint(path)

@@ -24,7 +24,7 @@ from zeroshard.format import open_checkpoint
 from zeroshard.interop.deepspeed_ckpt import read_deepspeed
 
 from distributed import run_ranks
-from interop_model import MICRO_BATCH, batch, make_model, make_optimizer
+from interop_model import FROZEN, MICRO_BATCH, batch, make_model, make_optimizer
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
@@ -38,10 +38,7 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
             frozen: tuple[str, ...] = ()) -> dict:
     import zeroshard
 
-    model = make_model(seed=1)
-    for name, param in model.named_parameters():
-        param.requires_grad_(name not in frozen)
-    engine = zeroshard.initialize(model=model, optimizer=make_optimizer,
+    engine = zeroshard.initialize(model=make_model(1, frozen), optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH,
                                           "bf16": {"enabled": bf16}})
@@ -82,7 +79,6 @@ VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", T
             "universal": (".", False), "universal_stage3": (".", False),
             "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
             "frozen_universal_stage3": (".", False)}
-FROZEN = ("fc.weight", "fc.bias")  # frozen in the frozen_stage* fixtures (tools/make_deepspeed_fixtures.py)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -40,7 +40,16 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from interop_model import BETAS, LR, MICRO_BATCH, WEIGHT_DECAY, batch, make_model, make_optimizer  # noqa: E402
+from interop_model import (  # noqa: E402
+    BETAS,
+    FROZEN,
+    LR,
+    MICRO_BATCH,
+    WEIGHT_DECAY,
+    batch,
+    make_model,
+    make_optimizer,
+)
 
 WORLD, STEPS_BEFORE, STEPS_AFTER = 2, 3, 3
 TAG = f"global_step{STEPS_BEFORE}"
@@ -59,7 +68,6 @@ VARIANTS = {
     "frozen_stage3": {"stage": 3, "frozen": True},
     "frozen_universal_stage3": {"stage": 3, "frozen": True, "universal": True},
 }
-FROZEN = ("fc.weight", "fc.bias")  # the frozen variants' frozen parameters: random, so a drop shows
 
 
 def ds_config(variant: dict, resume: bool = False) -> dict:
@@ -87,10 +95,8 @@ def save_dir(out: str, variant: dict) -> str:
 def _engine(variant: dict, seed: int, resume: bool = False):
     import deepspeed
 
-    model = make_model(seed)
-    if variant.get("frozen"):  # as a fine-tuning run freezes part of the model; the optimizer gets them all
-        for name, param in model.named_parameters():
-            param.requires_grad_(name not in FROZEN)
+    # the frozen variants freeze part of the model, as fine-tuning does; the optimizer gets them all
+    model = make_model(seed, FROZEN if variant.get("frozen") else ())
     if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
         model.bfloat16()
     if variant.get("offload"):

@@ -65,6 +65,20 @@ def _check_names(ours: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, 
     return [n for n in ours if n in shapes]
 
 
+def parameter_sources(target: EngineState, manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """The saved tensors the model's parameters load from, by name: the `param` entries, and a
+    floating `buffer` entry of a frozen parameter's name and shape. An import of a DCP checkpoint
+    cannot tell a frozen parameter (in no optimizer group, as fine-tuning leaves it) from a
+    buffer, and saves it as one; the model can, so it takes the value back as the parameter's."""
+    sources = {n: tuple(t.shape) for n, t in manifest.tensors.items() if t.role == "param"}
+    for info in target.params:
+        entry = manifest.tensors.get(info.name)
+        if (not info.requires_grad and entry is not None and entry.role == "buffer"
+                and torch_dtype(entry.dtype).is_floating_point and tuple(entry.shape) == tuple(info.shape)):
+            sources[info.name] = tuple(entry.shape)
+    return sources
+
+
 def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
                     load_optimizer_states: bool = True, stateful: Mapping[str, Any] | None = None,
                     storage_options: dict | None = None) -> Any:
@@ -80,8 +94,8 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     try:
         location, manifest = open_checkpoint(path, storage_options)
         where = location.url
-        names = _check_names({i.name: tuple(i.shape) for i in target.params},
-                             {n: t.shape for n, t in manifest.tensors.items() if t.role == "param"}, where, strict)
+        names = _check_names({i.name: tuple(i.shape) for i in target.params}, parameter_sources(target, manifest),
+                             where, strict)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
         same_world = manifest.world_size == target.world_size
         # checked before reading, like every manifest field

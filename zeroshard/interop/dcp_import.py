@@ -281,7 +281,8 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
                      f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); name "
                      "buffers with --buffers REGEX; the engine's optimizer starts fresh")
     elif left_as_buffers:
-        notes.append(f"floating tensors the optimizer does not hold, imported as buffers: {', '.join(left_as_buffers)}")
+        notes.append(f"floating tensors the optimizer does not hold, imported as buffers: {', '.join(left_as_buffers)} "
+                     "(the engine loads any that its model has as a frozen parameter into that parameter)")
     if imp.aliases:
         notes.append("tied weights recognised by equal values: " +
                      ", ".join(f"{a} -> {t}" for a, t in imp.aliases.items()))
