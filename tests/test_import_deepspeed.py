@@ -302,3 +302,18 @@ def test_a_stage_3_import_without_a_ranks_slice_of_a_frozen_parameter_is_refused
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in result.output and "frozen" in result.output, result.output
     assert not (tmp_path / "out" / "zeroshard.json").exists()
+
+
+@pytest.mark.parametrize("extra, kind", [("layer_0_expert_1_mp_rank_00_model_states.pt", "mixture-of-experts"),
+                                         ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts"),
+                                         ("layer_01-model_00-model_states.pt", "pipeline-parallel")])
+def test_layouts_with_weights_in_files_not_read_are_refused(tmp_path, extra, kind):
+    """MoE experts and pipeline stages keep weights in files the import does not read: refused
+    by name, never imported without them."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "stage2", src)
+    shutil.copy(src / "global_step3" / "mp_rank_00_model_states.pt", src / "global_step3" / extra)
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert extra in result.output and f"a {kind} DeepSpeed checkpoint" in result.output, result.output
+    assert not (tmp_path / "out").exists()

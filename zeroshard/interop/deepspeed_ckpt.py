@@ -51,6 +51,12 @@ from zeroshard.interop.torch_pickle import read_small_file
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Files of layouts whose weights live outside the files read here: an import would exit having
+# lost them (MoE experts: layer_L_expert_E_... / expert_E_... and expp_rank_... optimizer files;
+# pipeline stages: layer_NN-model_MM-model_states.pt), so they are refused by name.
+_UNREAD = {"mixture-of-experts": re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$"
+                                            r"|^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"),
+           "pipeline-parallel": re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")}
 MAX_LATEST_BYTES = 4096  # `latest` holds one tag name
 
 
@@ -107,6 +113,11 @@ def _optim_files(folder: str) -> list[str]:
     found = {}
     prefixes = set()
     for name in files.listdir(folder):
+        kind = next((k for k, pattern in _UNREAD.items() if pattern.match(name)), None)
+        if kind is not None:
+            raise CheckpointError(files.join(folder, name), f"a {kind} DeepSpeed checkpoint: its weights in files "
+                                                            "like this one are not read, and an import without "
+                                                            "them would lose them; not supported")
         m = _OPTIM.match(name)
         if m:
             if int(m.group(2)) != 0:
