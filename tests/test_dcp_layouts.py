@@ -53,22 +53,17 @@ _TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManage
                   "from torchtitan.components.optimizer import OptimizersContainer")
 
 
-def _sharded(world_size: int, seed: int = 0):
+def _sharded(world_size: int, seed: int = 0, frozen: tuple[str, ...] = ()):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = make_model(seed)
+    model = make_model(seed, frozen)
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     return model
 
 
-def _fsdp2_layouts(rank, world_size, out):
-    """FSDP2 trains 6 steps and after step 2 saves one checkpoint per layout (same state)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model = _sharded(world_size)
-    opt = make_optimizer(model.parameters())
+def _fsdp2_train(rank, model, opt, save) -> list[float]:
+    """FSDP2 trains 6 steps and calls save(model, opt) after step 2; the losses of steps 3-5."""
     losses = []
     for step in range(6):
         loss = model(*batch(step, rank))
@@ -77,13 +72,25 @@ def _fsdp2_layouts(rank, world_size, out):
         opt.zero_grad()
         losses.append(mean_over_ranks(loss))
         if step == 2:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{out}/optimizer_key")
-            dcp.save({"model": msd}, checkpoint_id=f"{out}/model_only")
-            dcp.save(msd, checkpoint_id=f"{out}/plain")
-            msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/flattened")
+            save(model, opt)
     return losses[3:]
+
+
+def _fsdp2_layouts(rank, world_size, out):
+    """One checkpoint per layout, all of the same state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    def save(model, opt):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{out}/optimizer_key")
+        dcp.save({"model": msd}, checkpoint_id=f"{out}/model_only")
+        dcp.save(msd, checkpoint_id=f"{out}/plain")
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/flattened")
+
+    model = _sharded(world_size)
+    return _fsdp2_train(rank, model, make_optimizer(model.parameters()), save)
 
 
 def _fsdp2_fresh_optimizer(rank, world_size, path):
@@ -177,25 +184,15 @@ def _fsdp2_frozen(rank, world_size, out):
     given only the trainable ones, so the checkpoint's optimizer knows nothing of the frozen ones."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    model = make_model(0, FROZEN)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for step in range(6):
-        loss = model(*batch(step, rank))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(mean_over_ranks(loss))
-        if step == 2:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/nested")
-            msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/flattened")
-    return losses[3:]
+    def save(model, opt):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/nested")
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/flattened")
+
+    model = _sharded(world_size, frozen=FROZEN)
+    return _fsdp2_train(rank, model, make_optimizer([p for p in model.parameters() if p.requires_grad]), save)
 
 
 def test_frozen_parameters_the_optimizer_does_not_hold_resume_like_fsdp2(tmp_path):
