@@ -162,8 +162,9 @@ def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[st
     declared = model.get("frozen_param_shapes")
     if declared is None:  # stage 1 (DeepSpeed records frozen parameters from stage 2 on)
         ties, buffers = set(model.get("shared_params") or {}), set(model["buffer_names"])
-        declared = {k: tuple(v.shape) for k, v in module.items()
-                    if k not in imp.params and k not in buffers and k not in ties and is_tensor(v)}
+        declared = {k: tuple(v.shape) for k, v in module.items()  # (stage 3's empty placeholders: never)
+                    if k not in imp.params and k not in buffers and k not in ties and is_tensor(v)
+                    and (imp.zero_stage < 3 or v.numel() > 0)}
     shapes = check_param_shapes(model_path, [declared])[0]
     if fragments is None:
         fragments = model.get("frozen_param_fragments") or {}
