@@ -29,9 +29,10 @@ from interop_model import FROZEN, MICRO_BATCH, batch, make_model, make_optimizer
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 
-def _import(src: Path, out: Path, *extra: str) -> None:
+def _import(src: Path, out: Path, *extra: str) -> str:
     result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(out), "-q", *extra])
     assert result.exit_code == 0, result.output
+    return result.output
 
 
 def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False,
@@ -88,11 +89,12 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     src, bf16 = VARIANTS[variant]
     expected = json.loads((FIXTURES / variant / "expected.json").read_text())
     out = tmp_path / "imported"
-    _import(FIXTURES / variant / src, out)
+    output = _import(FIXTURES / variant / src, out)
     _, manifest = open_checkpoint(str(out))
     assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
     steps = [3, 4, 5]
     frozen = FROZEN if variant.startswith("frozen") else ()
+    assert ("5 parameters (105 elements; 2 frozen, without optimizer state)" in output) == bool(frozen), output
     if frozen:  # carried as parameters without optimizer state, as the engine saves its own frozen ones
         assert {n for n in frozen if n in manifest.tensors and manifest.tensors[n].role == "param"} == set(frozen)
         assert not [t for t in manifest.tensors.values() if t.param in frozen]
