@@ -79,7 +79,7 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
             "universal": (".", False), "universal_stage3": (".", False),
             "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
-            "frozen_universal_stage3": (".", False)}
+            "frozen_universal_stage3": (".", False), "accelerate": (".", False)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -95,6 +95,8 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     steps = [3, 4, 5]
     frozen = FROZEN if variant.startswith("frozen") else ()
     assert ("5 parameters (105 elements; 2 frozen, without optimizer state)" in output) == bool(frozen), output
+    if variant == "accelerate":  # Accelerate's own state beside the tag folder is named, not read
+        assert "beside pytorch_model/, not imported (pickles are not read): random_states_0.pkl" in output, output
     if frozen:  # carried as parameters without optimizer state, as the engine saves its own frozen ones
         assert {n for n in frozen if n in manifest.tensors and manifest.tensors[n].role == "param"} == set(frozen)
         assert not [t for t in manifest.tensors.values() if t.param in frozen]

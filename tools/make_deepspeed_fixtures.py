@@ -21,7 +21,8 @@ converted by DeepSpeed's own ds_to_universal, resumed by DeepSpeed with `load_un
 frozen_stage1/2/3 (FROZEN parameters have requires_grad False, as in fine-tuning: DeepSpeed
 keeps them out of its optimizer and saves them in the model-states files only);
 frozen_universal_stage3 (frozen_stage3 through ds_to_universal, which keeps them only in the
-per-rank model-states files it copies).
+per-rank model-states files it copies); accelerate (stage 2 driven by Accelerate's
+`Accelerator(deepspeed_plugin=...)`, saved with `save_state` and resumed with `load_state`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ VARIANTS = {
     "frozen_stage2": {"stage": 2, "frozen": True},
     "frozen_stage3": {"stage": 3, "frozen": True},
     "frozen_universal_stage3": {"stage": 3, "frozen": True, "universal": True},
+    "accelerate": {"stage": 2, "accelerate": True},
 }
 
 
@@ -97,6 +99,15 @@ def _engine(variant: dict, seed: int, resume: bool = False):
 
     # the frozen variants freeze part of the model, as fine-tuning does; the optimizer gets them all
     model = make_model(seed, FROZEN if variant.get("frozen") else ())
+    if variant.get("accelerate"):  # Accelerate builds the DeepSpeed engine from its plugin's config
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        config = {**ds_config(variant, resume), "train_batch_size": MICRO_BATCH * WORLD}
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        engine, _ = accelerator.prepare(model, make_optimizer(model.parameters()))
+        engine.accelerator = accelerator  # save_state / load_state
+        return engine
     if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
         model.bfloat16()
     if variant.get("offload"):
@@ -133,13 +144,20 @@ def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
         engine = _engine(variant, 0)
         before = _train(engine, range(STEPS_BEFORE))
         client = None if variant.get("hf") else {"epoch": 1, "note": "fixture"}  # the Trainer passes none
-        engine.save_checkpoint(save_dir(out, variant), tag=TAG, client_state=client or {})
+        if variant.get("accelerate"):  # the tag is Accelerate's ("pytorch_model"), beside its own files
+            engine.accelerator.save_state(out)
+        else:
+            engine.save_checkpoint(save_dir(out, variant), tag=TAG, client_state=client or {})
         after = _train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         if rank == 0:
             progress.write_text(json.dumps({"losses_before": before, "losses_after": after}))
     else:
         fresh = _engine(variant, 1, resume=True)  # different weights: the load must overwrite every one
-        _, client = fresh.load_checkpoint(save_dir(out, variant))
+        if variant.get("accelerate"):
+            fresh.accelerator.load_state(out)
+            client = None
+        else:
+            _, client = fresh.load_checkpoint(save_dir(out, variant))
         resumed = _train(fresh, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         if rank == 0:
             expected = {"variant": name, "stage": variant["stage"], "world_size": WORLD, "tag": TAG,
