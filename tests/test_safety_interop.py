@@ -372,6 +372,25 @@ def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp
     _refused_import(root, tmp_path, "param_shapes")  # the model file's, or the optimizer files' they exceed
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("shape", [[-4, 3], [10**12, 10**12], ["two"], "buffer"],
+                         ids=["negative", "absurd", "not-int", "a-buffer-name"])
+def test_deepspeed_hostile_frozen_parameter_shapes_are_one_line(tmp_path, shape, stage):
+    root = ds_copy(tmp_path, f"frozen_stage{stage}")
+    model = MODEL if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+    def edit(model):
+        if shape == "buffer":  # a frozen parameter under a buffer's name
+            model["frozen_param_shapes"]["scale"] = model["frozen_param_shapes"].pop("fc.bias")
+        else:
+            model["frozen_param_shapes"]["fc.weight"] = shape
+
+    resave(root / TAG / model, edit)
+    needles = ["'scale'", "frozen parameter"] if shape == "buffer" else [
+        "param_shapes" if shape != [10**12, 10**12] else "frozen parameter 'fc.weight'"]
+    _refused_import(root, tmp_path, model, *needles)
+
+
 def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
     root = ds_copy(tmp_path)
     resave_nested(root / TAG / MODEL, lambda m, nested: m.__setitem__("my_client_state", nested))
@@ -519,6 +538,8 @@ def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
     code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
     assert code == 0, output
     assert not side.exists()
+    assert "not imported (pickles are not read): optimizer.pt, rng_state_0.pth, scheduler.pt, training_args.bin" \
+        in output, output  # named, so nothing is left behind unsaid
 
 
 def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):

@@ -174,8 +174,9 @@ def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[st
         if value is None:
             raise CheckpointError(model_path, f"frozen parameter {name!r} of shape {list(shape)} has no saved value "
                                               "of that size; importing without it would lose it")
-        if name in imp.params:
-            raise CheckpointError(model_path, f"{name!r} is both a trainable and a frozen parameter")
+        if name in imp.params or name in imp.buffers:
+            what = "trainable" if name in imp.params else "buffer"
+            raise CheckpointError(model_path, f"{name!r} is listed both as a {what} and as a frozen parameter")
         imp.params[name] = with_shape(value, shape)
 
 
