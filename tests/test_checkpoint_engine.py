@@ -183,24 +183,40 @@ def test_async_save_matches_sync_and_keep_last_prunes(tmp_path):
     assert (tmp_path / "sync.safetensors").read_bytes() == (tmp_path / "async.safetensors").read_bytes()
 
 
-def strict_load(rank: int, world: int, ckpt: str) -> list[str]:
-    errors = []
-    for kwargs in ({"layers": 3}, {"tied": False}):
-        model = make_model(**kwargs)
+def strict_load(rank: int, world: int, ckpt: str) -> tuple[list[str], list[str]]:
+    import warnings
+
+    errors, said = [], []
+    for kwargs in ({"layers": 3}, {"tied": False}, {"compiled": True}):
+        model = make_model(**{k: v for k, v in kwargs.items() if k != "compiled"})
+        if kwargs.get("compiled"):
+            model = torch.compile(model)  # parameters named _orig_mod.*; nothing compiles without a forward
         engine = zeroshard.initialize(model=model, optimizer=build_optimizer("adamw", model),
                                       config={"zero_optimization": {"stage": 3}})
         try:
             engine.load_checkpoint(ckpt)
         except zeroshard.ZeroshardError as exc:
             errors.append(str(exc))
-        engine.load_checkpoint(ckpt, strict=False)  # the deliberate partial load works
-    return errors
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                engine.load_checkpoint(ckpt, strict=False)  # the deliberate partial load works, and says so
+            except zeroshard.ZeroshardError as exc:  # unless it would load nothing at all
+                errors.append(str(exc))
+        said.append(" | ".join(str(w.message) for w in caught if "strict=False" in str(w.message)))
+    return errors, said
 
 
 def test_strict_load_lists_the_names(world4):
-    errors = run_ranks(strict_load, 2, timeout=120, ckpt=world4["ckpt"])[0]
+    (errors, said), (_, said_1) = run_ranks(strict_load, 2, timeout=120, ckpt=world4["ckpt"])
     assert "blocks.2." in errors[0] and "missing from the checkpoint" in errors[0]
-    assert "head.weight" in errors[1] and "strict=False" in errors[1]
+    assert "head.weight" in errors[1] and "strict=False loads the others" in errors[1]
+    assert "keep their values (blocks.2." in said[0] and said_1 == ["", "", ""]  # rank 0 says it
+    assert "keep their values (head.weight)" in said[1]
+    # a model wrapped by torch.compile: every name differs by its prefix, so nothing would load
+    for error in errors[2:]:
+        assert "starts with '_orig_mod.'" in error and "torch.compile" in error, error
+    assert len(errors) == 4 and said[2] == ""
 
 
 def pretrained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:

@@ -46,23 +46,51 @@ ACTION = "the checkpoint load"
 
 
 def _check_names(ours: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], where: str,
-                 strict: bool) -> list[str]:
-    """The parameter names to load; raises listing missing, unexpected and mis-shaped names."""
+                 strict: bool, warn: bool = False) -> list[str]:
+    """The parameter names to load; raises listing missing, unexpected and mis-shaped names. With
+    strict=False the names on one side only are skipped, said in one warning (`warn`: this rank
+    says it), unless no name at all is shared: then nothing would load, which is never meant."""
     missing = sorted(set(ours) - set(shapes))
     unexpected = sorted(set(shapes) - set(ours))
     mismatched = sorted(f"{n} (checkpoint {list(shapes[n])}, model {list(ours[n])})"
                         for n in set(ours) & set(shapes) if shapes[n] != ours[n])
+    names = [n for n in ours if n in shapes]
+    prefix = _prefix_hint(missing, unexpected)
     problems = []
     if mismatched:
         problems.append(f"shape mismatch: {', '.join(mismatched)}")
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if strict and unexpected:
-        problems.append(f"not in the model: {', '.join(unexpected)}")
+    if (strict or not names) and missing:
+        problems.append(f"missing from the checkpoint: {_few(missing)}")
+    if (strict or not names) and unexpected:
+        problems.append(f"not in the model: {_few(unexpected)}")
     if problems:
-        hint = "" if mismatched else " (load with strict=False to skip them)"
+        hint = f" ({prefix})" if prefix else "" if mismatched or not names else \
+            " (strict=False loads the others and leaves these as they are)"
         raise CheckpointError(where, "; ".join(problems) + hint)
-    return [n for n in ours if n in shapes]
+    if warn and (missing or unexpected):
+        warnings.warn(f"{where}: strict=False: {len(missing)} model parameter(s) not in the checkpoint keep their "
+                      f"values ({_few(missing) or 'none'}); {len(unexpected)} checkpoint parameter(s) not in the "
+                      f"model were not loaded ({_few(unexpected) or 'none'})", stacklevel=4)
+    return names
+
+
+def _few(names: list[str], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """When the two sides' names differ only by a leading prefix (torch.compile's `_orig_mod.`,
+    DDP's `module.`), which one: the usual cause of a checkpoint that 'misses' every parameter."""
+    for longer, shorter, side in ((missing, unexpected, "the model's"), (unexpected, missing, "the checkpoint's")):
+        if not longer or not shorter:
+            continue
+        first = longer[0]
+        prefix = next((first[:-len(n)] for n in shorter if first.endswith("." + n)), None)
+        if prefix and all(n.startswith(prefix) for n in longer) \
+                and sorted(n[len(prefix):] for n in longer) == sorted(shorter):
+            return (f"every one of {side} parameter names starts with {prefix!r} and the other side's do not: "
+                    "a wrapper such as torch.compile or DDP around one model?")
+    return ""
 
 
 def parameter_sources(target: EngineState, manifest: Manifest) -> dict[str, tuple[int, ...]]:
@@ -95,7 +123,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         location, manifest = open_checkpoint(path, storage_options)
         where = location.url
         names = _check_names({i.name: tuple(i.shape) for i in target.params}, parameter_sources(target, manifest),
-                             where, strict)
+                             where, strict, warn=target.rank == 0)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
         same_world = manifest.world_size == target.world_size
         # checked before reading, like every manifest field
