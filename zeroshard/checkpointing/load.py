@@ -394,7 +394,8 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         by_name: dict[str, SourceTensor] = {t.name: t for t in tensors}
         not_params = set(own_buffers) | set(target.aliases)
         names = _check_names({n: tuple(i.shape) for n, i in infos.items()},
-                             {n: t.shape for n, t in by_name.items() if n not in not_params}, path, strict)
+                             {n: t.shape for n, t in by_name.items() if n not in not_params}, path, strict,
+                             warn=target.rank == 0)
         for name in names:
             info = infos[name]
             fragment = _read_source(folder, readers, by_name[name], info.start, info.end)
