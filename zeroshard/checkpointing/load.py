@@ -55,7 +55,6 @@ def _check_names(ours: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, 
     mismatched = sorted(f"{n} (checkpoint {list(shapes[n])}, model {list(ours[n])})"
                         for n in set(ours) & set(shapes) if shapes[n] != ours[n])
     names = [n for n in ours if n in shapes]
-    prefix = _prefix_hint(missing, unexpected)
     problems = []
     if mismatched:
         problems.append(f"shape mismatch: {', '.join(mismatched)}")
@@ -64,8 +63,13 @@ def _check_names(ours: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, 
     if (strict or not names) and unexpected:
         problems.append(f"not in the model: {_few(unexpected)}")
     if problems:
-        hint = f" ({prefix})" if prefix else "" if mismatched or not names else \
-            " (strict=False loads the others and leaves these as they are)"
+        prefix = _prefix_hint(missing, unexpected)
+        if prefix:
+            hint = f" ({prefix})"
+        elif mismatched or not names:
+            hint = ""
+        else:
+            hint = " (strict=False loads the others and leaves these as they are)"
         raise CheckpointError(where, "; ".join(problems) + hint)
     if warn and (missing or unexpected):
         warnings.warn(f"{where}: strict=False: {len(missing)} model parameter(s) not in the checkpoint keep their "

@@ -1,14 +1,13 @@
 """One writer per output: a claim file created atomically before anything is written.
 
 Locally the claim is created with O_CREAT|O_EXCL; on S3 with a conditional PUT
-(If-None-Match: *), which S3 (since 2024) and moto honour: of two writers, exactly one creates
-it and the other is refused before it writes a byte. The claim names its owner (host id and
-pid) so that a claim left by a killed process on this host is taken over on the next run. Another
-host's processes cannot be seen, so while its writer runs a heartbeat thread rewrites the claim's
-`beat` time every HEARTBEAT_S: a claim silent for SILENT_CLAIM_S is taken over (its writer's
-process is gone; on this host, its pid was reused), one still beating never is, however long the
-write. A claim
-without a beat (written by an earlier zeroshard) is taken over only once older than
+(If-None-Match: *), which S3 (since 2024) and moto honour: of two writers, exactly one creates it and the other
+is refused before it writes a byte. The claim names its owner (host id and pid) so that a claim
+left by a killed process on this host is taken over on the next run. Another host's processes
+cannot be seen, so while its writer runs a heartbeat thread rewrites the claim's `beat` time
+every HEARTBEAT_S: a claim silent for SILENT_CLAIM_S is taken over (its writer's process is
+gone; on this host, its pid was reused), one still beating never is, however long the write. A
+claim without a beat (written by an earlier zeroshard) is taken over only once older than
 STALE_CLAIM_S (`zeroshard clean --older-than` removes either sooner), and before it commits a
 writer checks that its claim is still its own. A job-scoped claim (a checkpoint save's, taken by
 rank 0) also records the launcher's run id: a claim of the same run made by another process was
@@ -132,15 +131,14 @@ def writer_alive(doc: dict) -> bool | None:
 def read_claim(location: Location) -> dict:
     """The claim's content ({} when absent or unreadable)."""
     try:
-        doc = json.loads(location.read_bytes(CLAIM_NAME, 0, 4096))
+        return _read_claim_strictly(location) or {}
     except Exception:
         return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def _read_claim_strictly(location: Location) -> dict | None:
-    """The claim's content; None when there is no claim file; a store that fails to answer raises
-    (unlike read_claim, absence is told from a failed read)."""
+    """The claim's content ({} when it is not a JSON object); None when there is no claim file;
+    a store that fails to answer raises (unlike read_claim, absence is told from a failed read)."""
     try:
         raw = location.read_bytes(CLAIM_NAME, 0, 4096)
     except StorageError as exc:
@@ -149,7 +147,7 @@ def _read_claim_strictly(location: Location) -> dict | None:
         raise
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
 
