@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 
 from zeroshard.cli import main
+from zeroshard.format import open_checkpoint
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.storage import Location
 from zeroshard.storage.claim import take_claim
@@ -389,6 +390,19 @@ def test_deepspeed_hostile_frozen_parameter_shapes_are_one_line(tmp_path, shape,
     needles = ["'scale'", "frozen parameter"] if shape == "buffer" else [
         "param_shapes" if shape != [10**12, 10**12] else "frozen parameter 'fc.weight'"]
     _refused_import(root, tmp_path, model, *needles)
+
+
+def test_deepspeed_client_state_holding_tensors_is_refused_other_non_json_is_noted(tmp_path):
+    """An EMA copy in client_state is model data: refused, never imported without it. Non-JSON
+    data that is no tensor (bytes) is left out with a note, and a 0-d tensor is a number."""
+    root = ds_copy(tmp_path)
+    resave(root / TAG / MODEL,
+           lambda m: m.update(ema={"fc.weight": torch.randn(5, 5)}, blob=b"x", loss=torch.tensor(2.5)))
+    _refused_import(root, tmp_path, MODEL, "client_state['ema'] holds tensors")
+    resave(root / TAG / MODEL, lambda m: m.pop("ema"))
+    code, output = cli("import", "deepspeed", str(root), str(tmp_path / "out"))
+    assert code == 0 and "client_state['blob']" in output and "left out" in output, output
+    assert open_checkpoint(str(tmp_path / "out"))[1].client_state["loss"] == 2.5
 
 
 def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
