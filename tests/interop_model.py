@@ -48,6 +48,12 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
+def warmup(step: int) -> float:
+    """The LR factor of the scheduler fixtures' torch LambdaLR (transformers' warmup schedules are
+    LambdaLRs too): still rising when the fixtures save, so a schedule restarted from 0 shows."""
+    return min(1.0, (step + 1) / 16)
+
+
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch `step` of data-parallel rank `rank`."""
     i = torch.arange(MICRO_BATCH * SEQ)

@@ -103,6 +103,45 @@ def test_stateful_objects_come_back_global_everywhere_and_per_rank_only_at_the_s
     assert json.loads(bytes(inner["__json__"].numpy()).decode())["mine"]["value"] == 11
 
 
+def load_leaving_state_out(rank: int, world: int, path: str, legacy: str) -> dict[str, list[str]]:
+    """Loads that restore less than the checkpoint holds, and the warnings each gave."""
+    import warnings
+
+    import zeroshard.deepspeed
+
+    def caught(load) -> list[str]:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            load()
+        return [str(w.message) for w in got if "is not restored" in str(w.message)]
+
+    engine = _engine(seed=5)
+    mine = Position(-1, scope="rank")
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))  # the legacy one
+    ds, *_ = zeroshard.deepspeed.initialize(model=mlp, optimizer=torch.optim.AdamW,
+                                            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                            config={"train_micro_batch_size_per_gpu": 1})
+    return {"shared_not_given": caught(lambda: zeroshard.Checkpointer(engine, mine=mine).load(path)),
+            "weights_only_load": caught(lambda: engine.load_checkpoint(path, load_optimizer_states=False)),
+            "legacy_scheduler_not_given": caught(lambda: _engine(seed=3).load_checkpoint(legacy)),
+            "deepspeed_skips_it_on_purpose": caught(lambda: ds.load_checkpoint(legacy, load_lr_scheduler_states=False)),
+            "deepspeed_given": caught(lambda: ds.load_checkpoint(legacy))}
+
+
+def test_saved_state_nothing_is_given_for_is_named_on_a_resume(tmp_path):
+    """A resume that restores the engine but not a saved LR schedule would train on with the
+    schedule at its first step: rank 0 warns, naming the key; a weights-only load and a DeepSpeed
+    load_lr_scheduler_states=False (skipped on purpose) do not."""
+    run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"))
+    shutil.copytree(LEGACY, tmp_path / "legacy")
+    got = run_ranks(load_leaving_state_out, 2, timeout=120, path=str(tmp_path / "ck" / "t"),
+                    legacy=str(tmp_path / "legacy"))
+    assert "saved state of 'shared' is not restored" in got[0]["shared_not_given"][0]
+    assert "saved state of 'lr_scheduler' is not restored" in got[0]["legacy_scheduler_not_given"][0]
+    assert got[0]["weights_only_load"] == got[0]["deepspeed_skips_it_on_purpose"] == got[0]["deepspeed_given"] == []
+    assert all(w == [] for w in got[1].values())  # rank 0 alone says it
+
+
 def test_a_stateful_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     result = run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"), fail_rank=1)
     for rank in range(2):

@@ -370,18 +370,20 @@ def _accelerate(rank, world_size, out):
     state = PartialState(cpu=True)  # joins the gloo group; what the save functions read of an Accelerator
     model = _sharded(world_size)
     opt = make_optimizer(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # counts steps, keeps LR
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     losses = []
     for step in range(6):
         loss = model(*batch(step, rank))
         loss.backward()
         opt.step()
+        scheduler.step()
         opt.zero_grad()
         losses.append(mean_over_ranks(loss))
         if step == 2:  # what Accelerator.save_state does for FSDP, in its order
             save_fsdp_model(plugin, state, model, out)
             save_fsdp_optimizer(plugin, state, opt, model, out)
-            save_accelerator_state(out, [], [], [], [], rank, step + 1)
+            save_accelerator_state(out, [], [], [scheduler], [], rank, step + 1)
     return losses[3:]
 
 
@@ -392,7 +394,9 @@ def test_accelerate_fsdp_save_state(tmp_path):
     assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
     imp = read_dcp(str(out))
     _check_trained(imp, "'model.*', nested 'optimizer.*'")
-    assert any("Accelerate save_state: not imported" in n and "random_states_0.pkl" in n for n in imp.notes)
+    assert any("Accelerate save_state, not imported" in n and "random_states_0.pkl" in n for n in imp.notes)
+    assert imp.stateful["lr_scheduler"]["last_epoch"] == 3  # scheduler.bin: carried, not named as dropped
+    assert any(n.startswith("LR scheduler state carried: lr_scheduler from scheduler.bin") for n in imp.notes)
     _import(out, tmp_path / "zs")
     _resumes_like(tmp_path / "zs", acc_next)
     # the model folder alone imports too, and says where the optimizer state was left

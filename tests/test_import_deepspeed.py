@@ -24,7 +24,7 @@ from zeroshard.format import open_checkpoint
 from zeroshard.interop.deepspeed_ckpt import read_deepspeed
 
 from distributed import run_ranks
-from interop_model import FROZEN, MICRO_BATCH, batch, make_model, make_optimizer
+from interop_model import FROZEN, MICRO_BATCH, batch, make_model, make_optimizer, warmup
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
@@ -36,7 +36,9 @@ def _import(src: Path, out: Path, *extra: str) -> str:
 
 
 def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False,
-            frozen: tuple[str, ...] = ()) -> dict:
+            frozen: tuple[str, ...] = (), scheduler_steps: int = 0) -> dict:
+    """Resume `path` and train `steps`; with `scheduler_steps`, a LambdaLR(warmup) restored from the
+    checkpoint is stepped that many times after each step (as Accelerate stepped it)."""
     import zeroshard
 
     engine = zeroshard.initialize(model=make_model(1, frozen), optimizer=make_optimizer,
@@ -44,13 +46,16 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH,
                                           "bf16": {"enabled": bf16}})
     # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
-    client = engine.load_checkpoint(path)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup) if scheduler_steps else None
+    client = engine.load_checkpoint(path, lr_scheduler=scheduler)
     losses = []
     for step in steps:
         tokens, targets = batch(step, rank)
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
+        for _ in range(scheduler_steps):
+            scheduler.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
@@ -79,7 +84,7 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
             "universal": (".", False), "universal_stage3": (".", False),
             "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
-            "frozen_universal_stage3": (".", False), "accelerate": (".", False)}
+            "frozen_universal_stage3": (".", False), "accelerate": (".", False), "accelerate_lambdalr": (".", False)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -95,13 +100,17 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     steps = [3, 4, 5]
     frozen = FROZEN if variant.startswith("frozen") else ()
     assert ("5 parameters (105 elements; 2 frozen, without optimizer state)" in output) == bool(frozen), output
-    if variant == "accelerate":  # Accelerate's own state beside the tag folder is named, not read
+    if variant.startswith("accelerate"):  # Accelerate's own state beside the tag folder is named, not read
         assert "beside pytorch_model/, not imported (pickles are not read): random_states_0.pkl" in output, output
+    scheduler_steps = expected.get("scheduler_steps_per_step", 0)
+    if scheduler_steps:  # a torch LambdaLR Accelerate saved beside the tag folder (scheduler.bin): carried
+        assert "LR scheduler state carried: lr_scheduler from scheduler.bin" in output, output
+        assert manifest.extra["stateful"]["lr_scheduler"]["last_epoch"] == 3 * scheduler_steps
     if frozen:  # carried as parameters without optimizer state, as the engine saves its own frozen ones
         assert {n for n in frozen if n in manifest.tensors and manifest.tensors[n].role == "param"} == set(frozen)
         assert not [t for t in manifest.tensors.values() if t.param in frozen]
     got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=steps, bf16=bf16, frozen=frozen,
-                    init_process_group=False)[0]
+                    scheduler_steps=scheduler_steps, init_process_group=False)[0]
     assert got["global_steps"] == 6
     assert {k: got["client"][k] for k in expected["client_state"]} == expected["client_state"]
     if variant == "frozen_universal_stage3":
@@ -257,7 +266,8 @@ def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
         out = tmp_path / f"imported-{variant}"
         _import(tmp_path / "fresh" / variant / src, out)
         got = run_ranks(_resume, 2, path=str(out), stage=expected["stage"], steps=[3, 4, 5], bf16=bf16,
-                        init_process_group=False)[0]
+                        frozen=FROZEN if variant.startswith("frozen") else (),
+                        scheduler_steps=expected.get("scheduler_steps_per_step", 0), init_process_group=False)[0]
         assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), variant
 
 

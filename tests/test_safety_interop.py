@@ -9,6 +9,7 @@ checkpoints written here by torch.distributed.checkpoint.save itself."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -544,16 +545,61 @@ def test_deepspeed_hf_checkpoint_folder_looping_back_is_not_followed(tmp_path):
 
 def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
     """The Trainer also leaves pickles in checkpoint-N (training_args.bin, rng_state_*.pth,
-    scheduler.pt): the import does not open them, so a callable in one runs nothing."""
+    optimizer.pt): the import does not open them, so a callable in one runs nothing. Its
+    scheduler.pt is read, through the allowlist: a hostile one is refused and runs nothing."""
     run = ds_copy(tmp_path, "hf", "run")
     side = tmp_path / "pwned"
     for name in ("training_args.bin", "rng_state_0.pth", "scheduler.pt", "optimizer.pt"):
         torch.save(_evil(side), run / "checkpoint-3" / name)
+    _refused_import(run, tmp_path, "scheduler.pt", "refused to unpickle", "move the file aside")
+    assert not side.exists()
+    (run / "checkpoint-3" / "scheduler.pt").unlink()  # the user's way to import without it
     code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
     assert code == 0, output
     assert not side.exists()
-    assert "not imported (pickles are not read): optimizer.pt, rng_state_0.pth, scheduler.pt, training_args.bin" \
+    assert "not imported (pickles are not read): optimizer.pt, rng_state_0.pth, training_args.bin" \
         in output, output  # named, so nothing is left behind unsaid
+
+
+def _lambda_lr_state(last_epoch: int) -> dict:
+    """A torch LambdaLR's state dict (transformers' warmup schedules are LambdaLRs) after `last_epoch` steps."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), lambda s: 1 / (s + 1))
+    for _ in range(last_epoch):
+        scheduler.optimizer.step()
+        scheduler.step()
+    return scheduler.state_dict()
+
+
+def test_deepspeed_schedulers_beside_the_tag_folder_are_carried(tmp_path):
+    """The Trainer's scheduler.pt (its own LambdaLR, not DeepSpeed's) is carried as `lr_scheduler`;
+    with DeepSpeed holding one too, the files' come after it: lr_scheduler_1, lr_scheduler_2."""
+    run = ds_copy(tmp_path, "hf", "run")
+    torch.save(_lambda_lr_state(3), run / "checkpoint-3" / "scheduler.pt")
+    code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
+    assert code == 0 and "LR scheduler state carried: lr_scheduler from scheduler.pt" in output, output
+    _, manifest = open_checkpoint(str(tmp_path / "out"))
+    assert manifest.extra["stateful"] == {"lr_scheduler": json.loads(json.dumps(_lambda_lr_state(3)))}
+
+    resave(run / "checkpoint-3" / TAG / MODEL, lambda m: m.__setitem__("lr_scheduler", {"last_batch_iteration": 2}))
+    torch.save(_lambda_lr_state(1), run / "checkpoint-3" / "scheduler_1.pt")
+    code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out2"))
+    assert code == 0 and "lr_scheduler_1 from scheduler.pt, lr_scheduler_2 from scheduler_1.pt" in output, output
+    _, manifest = open_checkpoint(str(tmp_path / "out2"))
+    assert manifest.extra["stateful"]["lr_scheduler"] == {"last_batch_iteration": 2}
+    assert manifest.extra["stateful"]["lr_scheduler_2"]["last_epoch"] == 1
+
+
+@pytest.mark.parametrize("content,needle", [
+    ([1, 2], "holds a list, not a scheduler's state dict"),
+    ({"base_lrs": torch.ones(2, 2)}, "cannot be stored as JSON"),
+    (b"x" * (17 * 1024 * 1024), "more than the 16777216"),
+], ids=["not-a-dict", "a-tensor", "huge"])
+def test_deepspeed_unreadable_scheduler_beside_is_refused_naming_it(tmp_path, content, needle):
+    """A scheduler file that is no scheduler state is refused, not left out (the schedule would
+    restart from its first step without a word)."""
+    root = ds_copy(tmp_path, "accelerate")
+    torch.save(content, root / "scheduler.bin")
+    _refused_import(root, tmp_path, "scheduler.bin", needle)
 
 
 def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):
@@ -821,14 +867,6 @@ def test_dcp_chunk_with_overlapping_zip_records_is_refused_naming_file_and_key(t
 
 
 # ---- the same refusals when SRC is on S3 (moto, conftest): the readers go through storage -----------
-def _evil(side: Path):
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {side}",))
-
-    return Evil()
-
-
 def _upload_tree(local: Path, url: str) -> None:
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         Location(url).write_bytes(path.relative_to(local).as_posix(), path.read_bytes())

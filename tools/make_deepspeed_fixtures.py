@@ -22,7 +22,10 @@ frozen_stage1/2/3 (FROZEN parameters have requires_grad False, as in fine-tuning
 keeps them out of its optimizer and saves them in the model-states files only);
 frozen_universal_stage3 (frozen_stage3 through ds_to_universal, which keeps them only in the
 per-rank model-states files it copies); accelerate (stage 2 driven by Accelerate's
-`Accelerator(deepspeed_plugin=...)`, saved with `save_state` and resumed with `load_state`).
+`Accelerator(deepspeed_plugin=...)`, saved with `save_state` and resumed with `load_state`);
+accelerate_lambdalr (the same with a torch LambdaLR warmup prepared beside the model, as
+transformers' schedules are: DeepSpeed takes only its own schedule classes, so Accelerate keeps
+this one and saves it as `scheduler.bin` beside the tag folder).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from interop_model import (  # noqa: E402
     batch,
     make_model,
     make_optimizer,
+    warmup,
 )
 
 WORLD, STEPS_BEFORE, STEPS_AFTER = 2, 3, 3
@@ -69,6 +73,7 @@ VARIANTS = {
     "frozen_stage3": {"stage": 3, "frozen": True},
     "frozen_universal_stage3": {"stage": 3, "frozen": True, "universal": True},
     "accelerate": {"stage": 2, "accelerate": True},
+    "accelerate_lambdalr": {"stage": 2, "accelerate": True, "scheduler": True},
 }
 
 
@@ -105,7 +110,12 @@ def _engine(variant: dict, seed: int, resume: bool = False):
 
         config = {**ds_config(variant, resume), "train_batch_size": MICRO_BATCH * WORLD}
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-        engine, _ = accelerator.prepare(model, make_optimizer(model.parameters()))
+        optimizer = make_optimizer(model.parameters())
+        if not variant.get("scheduler"):
+            engine, _ = accelerator.prepare(model, optimizer)
+        else:  # an AcceleratedScheduler: steps the LambdaLR once per process at each optimizer step
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+            engine, _, engine.client_scheduler = accelerator.prepare(model, optimizer, scheduler)
         engine.accelerator = accelerator  # save_state / load_state
         return engine
     if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
@@ -126,6 +136,8 @@ def _train(engine, steps: range) -> list[float]:
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
+        if getattr(engine, "client_scheduler", None) is not None:
+            engine.client_scheduler.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
@@ -148,9 +160,11 @@ def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
             engine.accelerator.save_state(out)
         else:
             engine.save_checkpoint(save_dir(out, variant), tag=TAG, client_state=client or {})
+        scheduler = getattr(engine, "client_scheduler", None)
+        saved = {"scheduler_last_epoch": scheduler.scheduler.last_epoch} if scheduler is not None else {}
         after = _train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         if rank == 0:
-            progress.write_text(json.dumps({"losses_before": before, "losses_after": after}))
+            progress.write_text(json.dumps({"losses_before": before, "losses_after": after, **saved}))
     else:
         fresh = _engine(variant, 1, resume=True)  # different weights: the load must overwrite every one
         if variant.get("accelerate"):
@@ -164,6 +178,8 @@ def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
                         "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
                         **json.loads(progress.read_text()), "losses_resumed": resumed,
                         "client_state": {k: client[k] for k in ("epoch", "note") if k in (client or {})}}
+            if variant.get("scheduler"):  # how the resume must step the LambdaLR to follow Accelerate's
+                expected["scheduler_steps_per_step"] = expected.pop("scheduler_last_epoch") // STEPS_BEFORE
             Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()

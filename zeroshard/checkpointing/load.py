@@ -36,7 +36,13 @@ from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.full_model import SourceTensor, open_full_model
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
-from zeroshard.format.training_state import ENGINE_COUNTERS, global_stateful, legacy_rng_key, rank_state_key
+from zeroshard.format.training_state import (
+    ENGINE_COUNTERS,
+    global_stateful,
+    global_stateful_keys,
+    legacy_rng_key,
+    rank_state_key,
+)
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -111,6 +117,9 @@ def parameter_sources(target: EngineState, manifest: Manifest) -> dict[str, tupl
     return sources
 
 
+UNRESTORED = "is not restored: nothing was given to load it into"
+
+
 def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
                     load_optimizer_states: bool = True, stateful: Mapping[str, Any] | None = None,
                     storage_options: dict | None = None) -> Any:
@@ -153,6 +162,10 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
             warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
                           f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",
                           stacklevel=3)
+        unclaimed = [k for k in global_stateful_keys(manifest.extra) if k not in (stateful or {})]
+        if unclaimed and load_optimizer_states and target.rank == 0:  # a resume whose schedule would restart
+            warnings.warn(f"{location.url}: saved state of {', '.join(map(repr, unclaimed))} {UNRESTORED} (pass "
+                          "lr_scheduler=... or the object under that key in stateful=...)", stacklevel=3)
         for key, obj in (stateful or {}).items():
             per_rank = scope_of(obj) == "rank"
             saved = rank_states.get(key) if per_rank else global_stateful(manifest.extra, key)

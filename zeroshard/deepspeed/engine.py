@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpointing import RNGState
+from zeroshard.checkpointing.load import UNRESTORED
 from zeroshard.deepspeed.config import map_offload
 from zeroshard.deepspeed.surface import DEEPSPEED_ENGINE_NAMES, refusal
 from zeroshard.errors import CheckpointError, EngineUsageError
@@ -348,8 +349,11 @@ class DeepSpeedEngine(nn.Module):
         rng = None if load_rng_states else RNGState(self.device)
         before = rng.state_dict() if rng is not None else None
         try:
-            client = self.engine.load_checkpoint(path, strict=load_module_strict,
-                                                 load_optimizer_states=with_optimizer, lr_scheduler=scheduler)
+            with warnings.catch_warnings():
+                if not load_lr_scheduler_states:  # skipped on purpose: no warning that it was not restored
+                    warnings.filterwarnings("ignore", message=f".*{UNRESTORED}")
+                client = self.engine.load_checkpoint(path, strict=load_module_strict,
+                                                     load_optimizer_states=with_optimizer, lr_scheduler=scheduler)
         except CheckpointError as exc:
             if _is_deepspeed_folder(path):
                 raise CheckpointError(path, "this is a DeepSpeed checkpoint: convert it once with "

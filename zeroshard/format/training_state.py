@@ -40,6 +40,13 @@ def legacy_rng_key(rank: int, device: str) -> str:
     return f"rng/rank-{rank:05d}/{device}"
 
 
+def global_stateful_keys(extra: dict[str, Any]) -> list[str]:
+    """The keys of every global Stateful state saved in a manifest's `extra`."""
+    saved = extra.get("stateful")
+    keys = [str(k) for k in saved] if isinstance(saved, dict) else []
+    return keys + (["lr_scheduler"] if extra.get("lr_scheduler") is not None and "lr_scheduler" not in keys else [])
+
+
 def global_stateful(extra: dict[str, Any], key: str) -> Any:
     """The saved state of global Stateful `key`, or None (older checkpoints: extra.lr_scheduler)."""
     saved = (extra.get("stateful") or {}).get(key)
@@ -61,7 +68,8 @@ def to_json_value(value: Any, what: str, tensor_hint: str = "") -> Any:
     is_tensor = _is_tensor(value)
     if is_tensor and value.dim() == 0:
         return value.item()
-    raise ArgumentTypeError(f"{what}: {type(value).__name__} value {str(value)[:80]} cannot be stored as JSON"
+    shown = " ".join(str(value)[:200].split())[:80]  # one line: a tensor's repr spans several
+    raise ArgumentTypeError(f"{what}: {type(value).__name__} value {shown} cannot be stored as JSON"
                     f"{tensor_hint if is_tensor else ''}")
 
 

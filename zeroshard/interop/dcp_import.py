@@ -25,6 +25,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files
+from zeroshard.interop.beside import carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
@@ -67,8 +68,9 @@ def _has_metadata(folder: str) -> bool:
     return files.isfile(files.join(folder, ".metadata"))
 
 
-def _sources(folder: str) -> tuple[list[_Source], list[str]]:
-    """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair)."""
+def _sources(folder: str) -> tuple[list[_Source], list[str], list[str]]:
+    """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair), notes,
+    and the names of what else an Accelerate save_state folder holds (beside.py reads them)."""
     if not files.isdir(folder):
         raise CheckpointError(folder, "no such DCP checkpoint folder")
     if _has_metadata(folder):
@@ -77,7 +79,7 @@ def _sources(folder: str) -> tuple[list[_Source], list[str]]:
         if posixpath.basename(files.absolute(folder)) == ACCELERATE_MODEL and _has_metadata(sibling):
             notes.append(f"the optimizer state is in the sibling {ACCELERATE_OPTIMIZER}/, not imported: "
                          "import the folder holding both to take it")
-        return [_Source(folder)], notes
+        return [_Source(folder)], notes, []
     if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
         raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
                                       f"{ACCELERATE_MODEL}/.metadata)")
@@ -90,9 +92,7 @@ def _sources(folder: str) -> tuple[list[_Source], list[str]]:
     sources = [_Source(files.join(folder, ACCELERATE_MODEL))]
     if _has_metadata(files.join(folder, ACCELERATE_OPTIMIZER)):
         sources.append(_Source(files.join(folder, ACCELERATE_OPTIMIZER)))
-    rest = [n for n in names if n not in (ACCELERATE_MODEL, ACCELERATE_OPTIMIZER)]
-    notes = [f"Accelerate save_state: not imported (pickles are not read): {', '.join(rest)}"] if rest else []
-    return sources, notes
+    return sources, [], [n for n in names if n not in (ACCELERATE_MODEL, ACCELERATE_OPTIMIZER)]
 
 
 def _buffer_pattern(buffers: str | None) -> re.Pattern | None:
@@ -189,7 +189,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
 
     folder = src.rstrip("/") or "/"
     pattern = _buffer_pattern(buffers)
-    sources, notes = _sources(folder)
+    sources, notes, beside = _sources(folder)
     owner: dict[str, _Source] = {}
     paths: dict[str, tuple] = {}
     for source in sources:
@@ -287,6 +287,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
         notes.append("tied weights recognised by equal values: " +
                      ", ".join(f"{a} -> {t}" for a, t in imp.aliases.items()))
     imp.notes.extend(notes)
+    carry_beside(imp, folder, beside, "Accelerate save_state")
     return imp
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
+from zeroshard.interop.beside import NOT_READ, SCHEDULER, carry_beside
 from zeroshard.interop.deepspeed_common import (
     TRAINER_STATE,
     carry_trainer_state,
@@ -58,11 +59,6 @@ _UNREAD = {"mixture-of-experts": re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank
                                             r"|^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"),
            "pipeline-parallel": re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")}
 MAX_LATEST_BYTES = 4096  # `latest` holds one tag name
-# What Accelerate's save_state and Hugging Face's Trainer write beside the tag folder: state the
-# import does not read (pickles, or weights the tag folder holds anyway), named in a note.
-_BESIDE = re.compile(r"^(?:random_states_\d+\.pkl|scheduler(?:_\d+)?\.(?:bin|pt)|sampler(?:_\d+)?\.bin"
-                     r"|dl_state_dict(?:_\d+)?\.bin|custom_checkpoint_\d+\.pkl|scaler\.pt|rng_state(?:_\d+)?\.pth"
-                     r"|training_args\.bin|optimizer\.pt)$")
 
 
 def _follow(src: str, pointer: str) -> str:
@@ -157,12 +153,8 @@ def _read_deepspeed(src: str) -> Imported:
     parent = files.parent(folder)
     if files.exists(files.join(parent, TRAINER_STATE)):
         carry_trainer_state(imp, parent)
-    beside = sorted(n for n in files.listdir(parent) if _BESIDE.match(n))
-    if beside:
-        scheduler = any(n.startswith("scheduler") for n in beside) and imp.lr_scheduler is None
-        imp.notes.append(f"beside {posixpath.basename(folder)}/, not imported (pickles are not read): "
-                         f"{', '.join(beside)}" + ("; the LR scheduler saved there is not carried: the engine's "
-                                                   "starts from its own state" if scheduler else ""))
+    beside = [n for n in files.listdir(parent) if SCHEDULER.match(n) or NOT_READ.match(n)]
+    carry_beside(imp, parent, beside, f"beside {posixpath.basename(folder)}/")
     return imp
 
 

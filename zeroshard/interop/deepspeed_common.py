@@ -138,9 +138,12 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
         imp.loss_scale = {"scale": float(loss_scaler.cur_scale), "good_steps": 0,
                           "hysteresis_left": int(getattr(loss_scaler, "cur_hysteresis", 0) or 0)}
     try:
-        imp.lr_scheduler = to_json_value(model.get("lr_scheduler"), "lr_scheduler")
+        scheduler = to_json_value(model.get("lr_scheduler"), "lr_scheduler")
     except TypeError:
         imp.notes.append("the lr_scheduler state is not plain data and was left out")
+    else:
+        if scheduler is not None:
+            imp.stateful["lr_scheduler"] = scheduler
     client = {}
     for key, value in model.items():
         if key in DS_KEYS:

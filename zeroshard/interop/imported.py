@@ -145,7 +145,7 @@ class Imported:
     world_size: int = 1
     compute_dtype: str = "F32"
     loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "good_steps": 0, "hysteresis_left": 0})
-    lr_scheduler: Any = None
+    stateful: dict[str, Any] = field(default_factory=dict)  # Stateful key -> JSON state (LR schedulers)
     notes: list[str] = field(default_factory=list)  # what could not be carried over, for the user
 
 

@@ -101,7 +101,7 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
         optimizer={"class": imp.optimizer_class, "param_groups": imp.param_groups or None,
                    "scalar_state": imp.scalar_state} if imp.optimizer_state or imp.param_groups else None,
         client_state=imp.client_state, aliases=imp.aliases,
-        extra={"engine": engine, "stateful": {"lr_scheduler": imp.lr_scheduler} if imp.lr_scheduler is not None else {},
+        extra={"engine": engine, "stateful": imp.stateful,
                "source": imp.source, "import_notes": imp.notes})
     output.commit_checkpoint(manifest, sync_files=True)
     return manifest
