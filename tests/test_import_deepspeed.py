@@ -331,3 +331,52 @@ def test_layouts_with_weights_in_files_not_read_are_refused(tmp_path, extra, kin
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert extra in result.output and f"a {kind} DeepSpeed checkpoint" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+class Registered:
+    """An object a script registers with Accelerate's register_for_checkpointing: plain data."""
+
+    def __init__(self, seen: int = 0) -> None:
+        self.seen = seen
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "epochs": [1, 2]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def _restore_registered(rank: int, world_size: int, path: str) -> int:
+    import zeroshard
+
+    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
+                                  config={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4})
+    registered = Registered()
+    zeroshard.Checkpointer(engine, custom_checkpoint_0=registered).load(path)
+    return registered.seen
+
+
+def test_accelerate_registered_objects_are_carried_and_one_holding_tensors_is_refused(tmp_path):
+    """Accelerate saves what a script registered for checkpointing as custom_checkpoint_N.pkl
+    beside the tag folder (accelerate.checkpointing.save_custom_state, as save_state calls it):
+    plain data comes across under that name and restores into a Checkpointer's stateful object;
+    an EMA copy of the model (tensors) is refused naming the file, never left out."""
+    checkpointing = pytest.importorskip("accelerate.checkpointing", reason="accelerate is not installed")
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # one process, no process group: what save_custom_state's logging reads
+    root = tmp_path / "acc"
+    shutil.copytree(FIXTURES / "accelerate", root)
+    checkpointing.save_custom_state(Registered(12), str(root), 0)
+    output = _import(root, tmp_path / "out")
+    assert "registered objects carried as Stateful state: custom_checkpoint_0" in output, output
+    _, manifest = open_checkpoint(str(tmp_path / "out"))
+    assert manifest.extra["stateful"] == {"custom_checkpoint_0": {"seen": 12, "epochs": [1, 2]}}
+    assert run_ranks(_restore_registered, 1, path=str(tmp_path / "out"), init_process_group=False) == [12]
+
+    ema = torch.optim.swa_utils.AveragedModel(make_model(0))
+    checkpointing.save_custom_state(ema, str(root), 1)
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(root), str(tmp_path / "out2"), "-q"])
+    assert result.exit_code == 1 and "custom_checkpoint_1.pkl" in result.output, result.output
+    assert "holds tensors" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out2" / "zeroshard.json").exists()

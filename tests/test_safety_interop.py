@@ -590,10 +590,11 @@ def test_deepspeed_schedulers_beside_the_tag_folder_are_carried(tmp_path):
 
 
 @pytest.mark.parametrize("content,needle", [
-    ([1, 2], "holds a list, not a scheduler's state dict"),
-    ({"base_lrs": torch.ones(2, 2)}, "cannot be stored as JSON"),
+    ([1, 2], "holds a list, not a state dict"),
+    ({"base_lrs": torch.ones(2, 2)}, "holds tensors"),
+    ({"base_lrs": {1, 2}}, "cannot be stored as JSON"),
     (b"x" * (17 * 1024 * 1024), "more than the 16777216"),
-], ids=["not-a-dict", "a-tensor", "huge"])
+], ids=["not-a-dict", "a-tensor", "a-set", "huge"])
 def test_deepspeed_unreadable_scheduler_beside_is_refused_naming_it(tmp_path, content, needle):
     """A scheduler file that is no scheduler state is refused, not left out (the schedule would
     restart from its first step without a word)."""

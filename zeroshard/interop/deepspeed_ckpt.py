@@ -37,7 +37,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
-from zeroshard.interop.beside import NOT_READ, SCHEDULER, carry_beside
+from zeroshard.interop.beside import carry_beside, is_beside
 from zeroshard.interop.deepspeed_common import (
     TRAINER_STATE,
     carry_trainer_state,
@@ -153,7 +153,7 @@ def _read_deepspeed(src: str) -> Imported:
     parent = files.parent(folder)
     if files.exists(files.join(parent, TRAINER_STATE)):
         carry_trainer_state(imp, parent)
-    beside = [n for n in files.listdir(parent) if SCHEDULER.match(n) or NOT_READ.match(n)]
+    beside = [n for n in files.listdir(parent) if is_beside(n)]
     carry_beside(imp, parent, beside, f"beside {posixpath.basename(folder)}/")
     return imp
 

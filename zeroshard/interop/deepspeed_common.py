@@ -12,7 +12,15 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import files, torch_zip
-from zeroshard.interop.imported import Flat, Imported, LazyTensor, is_tensor, optimizer_class_of, with_shape
+from zeroshard.interop.imported import (
+    Flat,
+    Imported,
+    LazyTensor,
+    holds_tensors,
+    is_tensor,
+    optimizer_class_of,
+    with_shape,
+)
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
 # Keys of DeepSpeed's model-states dict; everything else in it is the user's client_state.
@@ -151,22 +159,12 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
         try:
             client[str(key)] = to_json_value(value, f"client_state[{key!r}]")
         except TypeError as exc:
-            if _holds_tensor(value):  # model data (an EMA copy, say): never dropped with a note
+            if holds_tensors(value):  # model data (an EMA copy, say): never dropped with a note
                 raise CheckpointError(model_path, f"client_state[{str(key)[:80]!r}] holds tensors, which a zeroshard "
                                                   "client state (JSON) cannot carry; importing without them would "
                                                   "lose them") from None
             imp.notes.append(f"{exc}: left out")
     imp.client_state = client
-
-
-def _holds_tensor(value: Any) -> bool:
-    """Whether a client-state value holds a tensor of one or more dimensions (0-d ones are numbers
-    in JSON). The model-states file's nesting is bounded (load_model_states)."""
-    if is_tensor(value):
-        return value.dim() > 0
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
 
 
 def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[str, Any] | None) -> None:

@@ -61,6 +61,16 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, LazyTensor) or torch.is_tensor(value)
 
 
+def holds_tensors(value: Any) -> bool:
+    """Whether `value` holds a tensor of one or more dimensions (0-d ones are numbers in JSON).
+    Callers bound the nesting first (torch_pickle.nesting_depth)."""
+    if is_tensor(value):
+        return value.dim() > 0
+    if isinstance(value, dict):
+        return any(holds_tensors(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(holds_tensors(v) for v in value)
+
+
 def flat_range(value: Any, start: int, end: int) -> Any:
     """Flat elements [start, end) of a tensor or LazyTensor."""
     return value.read(start, end) if isinstance(value, LazyTensor) else value.reshape(-1)[start:end]
