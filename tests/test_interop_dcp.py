@@ -109,6 +109,34 @@ def test_export_dcp_goes_back_to_fsdp2(tmp_path):
         (losses, expected["losses_resumed"])
 
 
+def test_export_dcp_carries_the_schedule_and_client_state_and_names_per_rank_state(tmp_path):
+    """What a script adds to the dict it gives dcp.load ({"lr_scheduler": sched.state_dict()})
+    comes back as saved; the per-rank RNG streams, which a full-state export cannot hold, are named."""
+    import torch.distributed.checkpoint as dcp
+
+    legacy = Path(__file__).parent / "data" / "engine-1.1-rng"  # StepLR, client state, RNG per rank
+    result = CliRunner().invoke(main, ["export", "dcp", str(legacy / "step-2"), str(tmp_path / "dcp"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "also 'lr_scheduler', 'client_state'" in result.output, result.output
+    assert "per-rank state (RNG streams) of 2 rank(s) is not exported" in result.output, result.output
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)], lr=0.01), step_size=1, gamma=0.5)
+    sd = {"lr_scheduler": sched.state_dict(), "client_state": {"next_step": 0}}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    sched.load_state_dict(sd["lr_scheduler"])
+    assert sched.state_dict() == json.loads((legacy / "expected-rank0.json").read_text())["scheduler"]
+    assert sd["client_state"] == {"next_step": 2}
+
+    # an import's schedule (Accelerate's scheduler.bin) goes on out the other side
+    runner = CliRunner()
+    assert runner.invoke(main, ["import", "deepspeed", str(FIXTURES / "accelerate_lambdalr"), str(tmp_path / "zs"),
+                                "-q"]).exit_code == 0
+    result = runner.invoke(main, ["export", "dcp", str(tmp_path / "zs"), str(tmp_path / "dcp2"), "-q"])
+    assert result.exit_code == 0 and "not exported" not in result.output, result.output
+    sd = {"lr_scheduler": {"last_epoch": -1, "_last_lr": [0.0]}}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp2")), no_dist=True)
+    assert sd["lr_scheduler"]["last_epoch"] == 3 and sd["lr_scheduler"]["_last_lr"] == [0.0025]
+
+
 class _Evil:
     def __init__(self, side: Path):
         self.side = side

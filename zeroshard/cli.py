@@ -561,14 +561,21 @@ def export_group() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
 def export_dcp(ckpt: str, out: str, overwrite: bool, storage_options: dict, quiet: bool) -> None:
-    """Write CKPT as a DCP checkpoint {"model": ..., "optim": ...} that FSDP2's dcp.load reads.
+    """Write CKPT as a DCP checkpoint {"model": ..., "optim": ...} that FSDP2's dcp.load reads,
+    with each saved Stateful state (an LR scheduler's) under its own key and the client state
+    under "client_state". Per-rank states (RNG streams) are not exported; the output says so.
 
     OUT may be s3://: DCP's writer writes a local temporary folder (one copy of the export's
     size), uploaded with `.metadata` last."""
     from zeroshard.interop.dcp_export import export_dcp as run
+    from zeroshard.interop.dcp_export import export_extras
 
     n = run(ckpt, out, overwrite=overwrite, storage_options=storage_options)
-    click.echo(f"wrote {out}: {n} tensors (DCP)")
+    keys, ranks = export_extras(ckpt, storage_options)
+    click.echo(f"wrote {out}: {n} tensors (DCP)" + (f"; also {', '.join(map(repr, keys))}" if keys else ""))
+    if ranks:
+        click.echo(f"zeroshard: note: the per-rank state (RNG streams) of {ranks} rank(s) is not exported: a "
+                   "DCP full-state export has no per-rank part", err=True)
 
 
 def _register_estimate() -> None:

@@ -2,8 +2,11 @@
 
 The state dict written is {"model": model.state_dict() names (weights, buffers, tied aliases),
 "optim": get_optimizer_state_dict's layout ({"state": {fqn: {...}}, "param_groups": [...,
-"params": [fqn...]]})}, full (unsharded) tensors, saved by torch.distributed.checkpoint's own
-FileSystemWriter in one process (no_dist=True). DCP reshards full tensors into any FSDP2
+"params": [fqn...]]})}, full (unsharded) tensors, plus every global Stateful state under its own
+key ("lr_scheduler": the scheduler's state_dict(), what a script adds to the dict it passes to
+dcp.load) and the client state under "client_state", saved by torch.distributed.checkpoint's
+own FileSystemWriter in one process (no_dist=True). Per-rank states (RNG streams) have no
+place in a full-state export: named by the CLI, not written. DCP reshards full tensors into any FSDP2
 layout at load. OUT may be local or a URL (s3://): DCP's writer writes local files, so for a
 remote OUT it writes into a local temporary folder whose files are then uploaded through
 storage's Location (multipart, bounded retries), `.metadata` last as below. That needs local
@@ -24,12 +27,16 @@ import tempfile
 import warnings
 from typing import Any
 
-from zeroshard.errors import StorageError
+from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.output import output_transaction, prepare_output
+from zeroshard.format.training_state import RANK_STATE_PREFIX, global_stateful, global_stateful_keys
 from zeroshard.storage.location import Location, describe_error
 
 DCP_COMMIT_FILE = ".metadata"
+TENSOR_KEYS = ("model", "optim")
+CLIENT_STATE_KEY = "client_state"
+LEGACY_RNG_PREFIX = "rng/"  # rng/rank-{r:05d}/{device}: checkpoints from before rank-state blobs
 
 
 def _scalar(entry: dict[str, Any]) -> Any:
@@ -66,7 +73,25 @@ def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[st
         groups.append(g)
     if not groups and state:
         groups = [{"params": list(state)}]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+    exported: dict[str, Any] = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    for key in global_stateful_keys(manifest.extra):
+        if key in (*TENSOR_KEYS, CLIENT_STATE_KEY):
+            raise CheckpointError(location.url, f"a Stateful state saved as {key!r} would take the DCP key the "
+                                                "export writes the model, optimizer or client state under")
+        exported[key] = global_stateful(manifest.extra, key)
+    if manifest.client_state not in (None, {}):
+        exported[CLIENT_STATE_KEY] = manifest.client_state
+    return exported
+
+
+def export_extras(ckpt: str, storage_options: dict | None = None) -> tuple[list[str], int]:
+    """What an export of `ckpt` writes beside the model and optimizer (the DCP keys), and how many
+    ranks saved per-rank state (RNG streams) that it leaves out."""
+    _, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
+    client = [CLIENT_STATE_KEY] if manifest.client_state not in (None, {}) else []
+    keys = global_stateful_keys(manifest.extra) + client
+    ranks = {name.split("/")[1] for name in manifest.tensors if name.startswith((RANK_STATE_PREFIX, LEGACY_RNG_PREFIX))}
+    return keys, len(ranks)
 
 
 def _first_failure(exc: Any) -> str:
