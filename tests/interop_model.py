@@ -54,6 +54,28 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 16)
 
 
+class TrainerTied(TinyTied):
+    """TinyTied as Hugging Face's Trainer calls a model (keyword inputs, a dict with the loss
+    out), keeping every loss it computed: the same parameters, so a checkpoint of either loads
+    into the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        loss = super().forward(input_ids, labels)
+        self.losses.append(loss.item())
+        return {"loss": loss}
+
+
+def trainer_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch of every step and rank in the HF Trainer fixture: its dataset is one sample
+    repeated, so what the Trainer's sampler hands each rank is known without running it."""
+    tokens, targets = batch(0, 0)
+    return tokens[:1].repeat(MICRO_BATCH, 1), targets[:1].repeat(MICRO_BATCH, 1)
+
+
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch `step` of data-parallel rank `rank`."""
     i = torch.arange(MICRO_BATCH * SEQ)

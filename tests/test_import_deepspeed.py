@@ -380,3 +380,76 @@ def test_accelerate_registered_objects_are_carried_and_one_holding_tensors_is_re
     assert result.exit_code == 1 and "custom_checkpoint_1.pkl" in result.output, result.output
     assert "holds tensors" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out2" / "zeroshard.json").exists()
+
+
+def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool) -> dict:
+    """Resume an HF Trainer import as its script would go on: TinyTied, the Trainer's AdamW groups
+    (no weight decay on biases and LayerNorm) or one plain group, its linear warmup schedule."""
+    import warnings
+
+    import transformers
+
+    import zeroshard
+    from interop_model import BETAS, LR, WEIGHT_DECAY, trainer_batch
+
+    expected = json.loads((FIXTURES / "hf_trainer" / "expected.json").read_text())
+    model = make_model(1)
+    named = dict(model.named_parameters())
+    decay = [named["emb.weight"], named["fc.weight"]]
+    rest = [named["norm.weight"], named["norm.bias"], named["fc.bias"]]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": rest, "weight_decay": 0.0}] if trainers_groups else model.parameters(),
+                                  lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    engine = zeroshard.initialize(model=model, optimizer=optimizer,
+                                  config={"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+    schedule = expected["scheduler"]
+    scheduler = transformers.get_scheduler(schedule["name"], engine.optimizer,
+                                           num_warmup_steps=schedule["num_warmup_steps"],
+                                           num_training_steps=schedule["num_training_steps"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(path, lr_scheduler=scheduler if trainers_groups else None)
+    losses = []
+    for _ in range(3):
+        loss = engine(*trainer_batch())
+        engine.backward(loss)
+        engine.step()
+        for _ in range(expected["scheduler_steps_per_step"]):
+            scheduler.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return {"losses": losses, "warnings": [str(w.message) for w in caught]}
+
+
+def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
+    """Hugging Face's Trainer driving DeepSpeed ZeRO 2 (tests/data/deepspeed/hf_trainer, written by
+    transformers 5.24 itself): its run folder imports with the Trainer's schedule (scheduler.pt)
+    and two param groups, resumes with the Trainer's own next losses, and equals the weights the
+    Trainer saved itself (model.safetensors). A resume with one plain group is told what it keeps."""
+    pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+    from safetensors.torch import load_file
+
+    import zeroshard
+
+    expected = json.loads((FIXTURES / "hf_trainer" / "expected.json").read_text())
+    out = tmp_path / "imported"
+    output = _import(FIXTURES / "hf_trainer", out)  # the run folder: its one checkpoint-3
+    assert "LR scheduler state carried: lr_scheduler from scheduler.pt" in output, output
+    assert "not imported (pickles are not read): rng_state_0.pth, rng_state_1.pth, training_args.bin" in output
+    _, manifest = open_checkpoint(str(out))
+    assert [len(g["params"]) for g in manifest.optimizer["param_groups"]] == [2, 3]
+    assert manifest.client_state["hf_trainer_state"]["global_step"] == 3
+
+    theirs = load_file(str(FIXTURES / "hf_trainer" / "checkpoint-3" / "model.safetensors"))
+    ours = zeroshard.load_state_dict(str(out))
+    assert theirs and all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+
+    got = run_ranks(_resume_trainer, 2, path=str(out), trainers_groups=True, init_process_group=False)[0]
+    assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
+    assert not got["warnings"], got["warnings"]
+    plain = run_ranks(_resume_trainer, 2, path=str(out), trainers_groups=False, init_process_group=False)[0]
+    assert any("param groups (1: " in w and "are not the saved ones (2: " in w and "weight_decay 0.0" in w
+               for w in plain["warnings"]), plain["warnings"]
+    assert any("saved state of 'lr_scheduler' is not restored" in w for w in plain["warnings"]), plain["warnings"]

@@ -25,7 +25,11 @@ per-rank model-states files it copies); accelerate (stage 2 driven by Accelerate
 `Accelerator(deepspeed_plugin=...)`, saved with `save_state` and resumed with `load_state`);
 accelerate_lambdalr (the same with a torch LambdaLR warmup prepared beside the model, as
 transformers' schedules are: DeepSpeed takes only its own schedule classes, so Accelerate keeps
-this one and saves it as `scheduler.bin` beside the tag folder).
+this one and saves it as `scheduler.bin` beside the tag folder); hf_trainer (Hugging Face's
+Trainer itself, `TrainingArguments(deepspeed=...)` with ZeRO 2 on CPU, its default AdamW (two
+param groups: no weight decay on biases and LayerNorm) and linear warmup schedule, saving
+`checkpoint-3/` and resuming with `train(resume_from_checkpoint=...)`; its dataset repeats one
+sample, so each rank's batches are known).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from interop_model import (  # noqa: E402
     batch,
     make_model,
     make_optimizer,
+    trainer_batch,
     warmup,
 )
 
@@ -74,7 +79,10 @@ VARIANTS = {
     "frozen_universal_stage3": {"stage": 3, "frozen": True, "universal": True},
     "accelerate": {"stage": 2, "accelerate": True},
     "accelerate_lambdalr": {"stage": 2, "accelerate": True, "scheduler": True},
+    "hf_trainer": {"stage": 2, "trainer": True},
 }
+# the HF Trainer fixture's schedule (transformers' get_scheduler arguments)
+TRAINER_SCHEDULE = {"name": "linear", "num_warmup_steps": 4, "num_training_steps": STEPS_BEFORE + STEPS_AFTER}
 
 
 def ds_config(variant: dict, resume: bool = False) -> dict:
@@ -144,13 +152,60 @@ def _train(engine, steps: range) -> list[float]:
     return losses
 
 
+def _trainer(rank: int, name: str, phase: str, out: str) -> None:
+    """Hugging Face's Trainer drives DeepSpeed: train to step 6 saving checkpoint-3, or resume it."""
+    import deepspeed
+    from transformers import Trainer, TrainingArguments
+
+    from interop_model import TrainerTied
+
+    torch.manual_seed(0 if phase == "save" else 1)  # the resume's fresh weights must all be overwritten
+    model = TrainerTied()
+    tokens, targets = trainer_batch()
+    data = [{"input_ids": tokens[0], "labels": targets[0]}] * 64
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": VARIANTS[name]["stage"]}, "zero_allow_untested_optimizer": True}
+    # use_cpu: Accelerate's CPU state (gloo, 2 processes); DeepSpeed still runs the optimizer
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=MICRO_BATCH, max_steps=6, save_steps=3,
+                             logging_steps=1, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+                             weight_decay=WEIGHT_DECAY, warmup_steps=TRAINER_SCHEDULE["num_warmup_steps"],
+                             lr_scheduler_type=TRAINER_SCHEDULE["name"], deepspeed=config, report_to="none",
+                             seed=0, use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=os.path.join(out, HF_FOLDER) if phase == "resume" else None)
+    losses = torch.tensor(model.losses)
+    dist.all_reduce(losses)
+    losses = (losses / WORLD).tolist()
+    progress = Path(out, "progress.json")
+    if rank == 0 and phase == "save":
+        scheduler = torch.load(os.path.join(out, HF_FOLDER, "scheduler.pt"), weights_only=True)
+        progress.write_text(json.dumps({"losses_before": losses[:STEPS_BEFORE], "losses_after": losses[STEPS_BEFORE:],
+                                        "scheduler_last_epoch": scheduler["last_epoch"]}))
+    if rank == 0 and phase == "resume":
+        import transformers
+
+        expected = {"variant": name, "stage": VARIANTS[name]["stage"], "world_size": WORLD, "tag": TAG,
+                    "deepspeed_version": deepspeed.__version__, "transformers_version": transformers.__version__,
+                    "torch_version": torch.__version__, **json.loads(progress.read_text()), "losses_resumed": losses,
+                    "client_state": {}, "scheduler": TRAINER_SCHEDULE}
+        expected["scheduler_steps_per_step"] = expected.pop("scheduler_last_epoch") // STEPS_BEFORE
+        Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+
 def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu",
+                       "LOCAL_WORLD_SIZE": str(WORLD)})
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     variant = VARIANTS[name]
+    if variant.get("trainer"):
+        _trainer(rank, name, phase, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     progress = Path(out, "progress.json")
     if phase == "save":
         engine = _engine(variant, 0)
@@ -245,6 +300,8 @@ def make(root: Path, name: str) -> None:
     if VARIANTS[name].get("universal"):  # keep only what ds_to_universal wrote
         shutil.rmtree(out / TAG)
         (out / "latest").unlink()
+    if VARIANTS[name].get("trainer"):  # the Trainer's own checkpoint-3/ is the fixture; its last save is not
+        shutil.rmtree(out / f"checkpoint-{STEPS_BEFORE + STEPS_AFTER}")
     for folder in (out, out / HF_FOLDER):  # DeepSpeed copies its own scripts beside saves
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
             (folder / script).unlink(missing_ok=True)

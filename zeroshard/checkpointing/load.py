@@ -138,6 +138,8 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         names = _check_names({i.name: tuple(i.shape) for i in target.params}, parameter_sources(target, manifest),
                              where, strict, warn=target.rank == 0)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
+        if load_optimizer_states and strict and fields.param_groups is None and target.rank == 0:
+            _warn_groups_differ(target, manifest, where)
         same_world = manifest.world_size == target.world_size
         # checked before reading, like every manifest field
         legacy_rng = legacy_rng_json(manifest, target.rank, location.url_of(MANIFEST_NAME)) if same_world else {}
@@ -285,6 +287,26 @@ def _param_groups(target: EngineState, manifest: Manifest) -> tuple[ParamGroup, 
     if [list(g.get("params") or []) for g in groups] != [list(g.params) for g in target.param_groups or ()]:
         return None
     return tuple(ParamGroup(tuple(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in groups)
+
+
+def _warn_groups_differ(target: EngineState, manifest: Manifest, where: str) -> None:
+    """The optimizer keeps its own hyperparameters when its groups hold other parameters than the
+    saved ones (an HF Trainer import has two: no weight decay on biases and norms): say so, with
+    the saved values it does not take, rather than train on with another lr or weight decay."""
+    saved = (manifest.optimizer or {}).get("param_groups") or []
+    if not saved or not target.param_groups:
+        return
+
+    def shown(members: list[str] | tuple[str, ...], options: Mapping[str, Any]) -> str:
+        names = ", ".join(members[:3]) + (f", ... ({len(members)})" if len(members) > 3 else "")
+        values = ", ".join(f"{k} {options[k]}" for k in ("lr", "weight_decay") if k in options)
+        return f"[{names}]" + (f" {values}" if values else "")
+
+    then = "; ".join(shown(g.get("params") or [], g) for g in saved)
+    now = "; ".join(shown(g.params, g.options) for g in target.param_groups)
+    warnings.warn(f"{where}: the optimizer's param groups ({len(target.param_groups)}: {now}) are not the saved ones "
+                  f"({len(saved)}: {then}): it keeps its own hyperparameters; build it with the saved groups to resume "
+                  "theirs", stacklevel=4)
 
 
 def _scalar(entry: dict[str, Any], device: torch.device | str) -> Any:
