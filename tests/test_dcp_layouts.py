@@ -30,6 +30,7 @@ from click.testing import CliRunner
 
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
+from zeroshard.format import open_checkpoint
 from zeroshard.interop.dcp_import import read_dcp
 
 from distributed import run_ranks
@@ -431,6 +432,32 @@ def test_flattened_groups_are_rebuilt_like_the_nested_ones(tmp_path):
     assert any("2 group(s) of equal hyperparameters" in n for n in flat.notes)
     for name, state in nested.optimizer_state.items():
         assert all(torch.equal(state[k], flat.optimizer_state[name][k]) for k in state)
+
+
+def test_a_torch_schedulers_state_saved_beside_is_carried_as_the_lr_scheduler(tmp_path):
+    """dcp.save({"model", "optim", "lr_scheduler": sched.state_dict()}), the usual FSDP2 script:
+    the schedule comes across as what load_checkpoint(lr_scheduler=...) restores, not as client
+    state it would never look at (torchtitan's {"last_epoch"} alone stays client state, above)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = make_model(0)
+    opt = make_optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        model(*batch(step, 0)).backward()
+        opt.step()
+        sched.step()
+    msd, osd = get_state_dict(model, opt)
+    _save_single(tmp_path / "ck", {"model": msd, "optim": osd, "lr_scheduler": sched.state_dict(),
+                                   "epoch": 1})
+    output = _import(tmp_path / "ck", tmp_path / "zs")
+    assert "LR scheduler state carried: lr_scheduler" in output and "carried into client_state: epoch" in output
+    _, manifest = open_checkpoint(str(tmp_path / "zs"))
+    assert manifest.extra["stateful"] == {"lr_scheduler": sched.state_dict()}
+    assert manifest.client_state == {"epoch": 1}
+    fresh = torch.optim.lr_scheduler.StepLR(make_optimizer(make_model(1).parameters()), step_size=1, gamma=0.5)
+    fresh.load_state_dict(manifest.extra["stateful"]["lr_scheduler"])
+    assert fresh.get_last_lr() == sched.get_last_lr() == [LR / 4]
 
 
 # ---- streaming: tensors read by range, never the whole model at once --------------------------

@@ -24,7 +24,18 @@ from zeroshard.format import open_checkpoint
 from zeroshard.interop.deepspeed_ckpt import read_deepspeed
 
 from distributed import run_ranks
-from interop_model import FROZEN, MICRO_BATCH, batch, make_model, make_optimizer, warmup
+from interop_model import (
+    BETAS,
+    FROZEN,
+    LR,
+    MICRO_BATCH,
+    WEIGHT_DECAY,
+    batch,
+    make_model,
+    make_optimizer,
+    trainer_batch,
+    warmup,
+)
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
@@ -390,7 +401,6 @@ def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool
     import transformers
 
     import zeroshard
-    from interop_model import BETAS, LR, WEIGHT_DECAY, trainer_batch
 
     expected = json.loads((FIXTURES / "hf_trainer" / "expected.json").read_text())
     model = make_model(1)

@@ -25,7 +25,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files
-from zeroshard.interop.beside import carry_beside
+from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
@@ -313,6 +313,14 @@ def _carry_extras(imp: Imported, extras: dict[str, Any], notes: list[str]) -> No
                 break
         else:
             node[last] = value
+    scheduler = client.get(SCHEDULER_KEY)
+    if isinstance(scheduler, dict) and {"last_epoch", "base_lrs"} <= scheduler.keys():
+        # a torch scheduler's own state_dict() (dcp.save({..., "lr_scheduler": sched.state_dict()})):
+        # what load_checkpoint(lr_scheduler=...) restores. torchtitan's ({"last_epoch"} alone) is
+        # its container's, which no torch scheduler loads: left in client_state.
+        imp.stateful[SCHEDULER_KEY] = client.pop(SCHEDULER_KEY)
+        notes.append(f"LR scheduler state carried: {SCHEDULER_KEY} (restore it with load_checkpoint(..., "
+                     "lr_scheduler=...) or a Checkpointer's stateful objects)")
     imp.client_state = client or None
     if client:
         notes.append(f"carried into client_state: {', '.join(sorted(client))}")
