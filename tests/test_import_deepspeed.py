@@ -226,6 +226,15 @@ def test_hostile_pickle_is_refused_and_never_runs(tmp_path, victim):
 def test_not_a_deepspeed_checkpoint(tmp_path):
     result = CliRunner().invoke(main, ["import", "deepspeed", str(tmp_path), str(tmp_path / "out"), "-q"])
     assert result.exit_code == 1 and "not a DeepSpeed checkpoint" in result.output
+    # weights only (a Trainer save_only_model checkpoint): the way to start from them is named, and works
+    src = tmp_path / "checkpoint-3"
+    src.mkdir()
+    shutil.copy(FIXTURES / "hf_trainer" / "checkpoint-3" / "model.safetensors", src)
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1 and "model weights only" in result.output, result.output
+    command = result.output.split("`")[1].replace("OUT", str(tmp_path / "sharded")).replace("N", "2").split()
+    assert command[:2] == ["zeroshard", "shard"]
+    assert CliRunner().invoke(main, [*command[1:], "-q"]).exit_code == 0
 
 
 def test_interop_is_toolkit_side():

@@ -106,8 +106,13 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
     if runs:
         shown = ", ".join(runs[:6]) + (f", ... ({len(runs)} in all)" if len(runs) > 6 else "")
         raise CheckpointError(src, f"holds several Trainer checkpoints ({shown}): name the one to import")
+    weights = [n for n in ("model.safetensors.index.json", "model.safetensors") if n in names]
+    shard_src = src if weights[:1] == ["model.safetensors.index.json"] else files.join(src, "model.safetensors")
+    hint = (f"; it holds {weights[0]}, model weights only (a Trainer save_only_model checkpoint or an HF "
+            f"model folder): `zeroshard shard {shard_src} OUT --world N` starts a checkpoint from them"
+            if weights else "")
     raise CheckpointError(src, "not a DeepSpeed checkpoint: no *_optim_states.pt files, no 'latest' or "
-                               "'latest_universal', no checkpoint-N folder")
+                               f"'latest_universal', no checkpoint-N folder{hint}")
 
 
 def _optim_files(folder: str) -> list[str]:
