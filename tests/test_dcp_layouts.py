@@ -362,7 +362,7 @@ def test_torchtitan_checkpoint_manager(tmp_path):
 
 # ---- Accelerate -----------------------------------------------------------------------------------
 
-def _accelerate(rank, world_size, out):
+def _accelerate(rank, world_size, out, full):
     from accelerate import PartialState
     from accelerate.checkpointing import save_accelerator_state
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -373,6 +373,8 @@ def _accelerate(rank, world_size, out):
     opt = make_optimizer(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # counts steps, keeps LR
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    # FULL_STATE_DICT: the plugin's default with FSDP1 (SHARDED's with FSDP2); the same two pickles either way
+    full_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT")
     losses = []
     for step in range(6):
         loss = model(*batch(step, rank))
@@ -385,13 +387,16 @@ def _accelerate(rank, world_size, out):
             save_fsdp_model(plugin, state, model, out)
             save_fsdp_optimizer(plugin, state, opt, model, out)
             save_accelerator_state(out, [], [], [scheduler], [], rank, step + 1)
+            save_fsdp_model(full_plugin, state, model, full)  # the default: two pickles, no DCP
+            save_fsdp_optimizer(full_plugin, state, opt, model, full)
+            save_accelerator_state(full, [], [], [scheduler], [], rank, step + 1)
     return losses[3:]
 
 
 def test_accelerate_fsdp_save_state(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
-    out = tmp_path / "save_state"
-    acc_next = run_ranks(_accelerate, 2, out=str(out), timeout=300, fresh=True)[0]
+    out, full = tmp_path / "save_state", tmp_path / "full_state"
+    acc_next = run_ranks(_accelerate, 2, out=str(out), full=str(full), timeout=300, fresh=True)[0]
     assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
     imp = read_dcp(str(out))
     _check_trained(imp, "'model.*', nested 'optimizer.*'")
@@ -407,6 +412,20 @@ def test_accelerate_fsdp_save_state(tmp_path):
     with pytest.raises(CheckpointError, match="several models or optimizers"):
         (out / "optimizer_1").mkdir()
         read_dcp(str(out))
+
+    # FULL_STATE_DICT (FSDP1's default): pytorch_model_fsdp.bin + optimizer.bin, pickles by FQN
+    assert sorted(p.name for p in full.iterdir() if p.suffix == ".bin") == ["optimizer.bin", "pytorch_model_fsdp.bin",
+                                                                           "scheduler.bin"]
+    imp = read_dcp(str(full))
+    assert imp.notes[0] == "Accelerate full state dict layout: 'model.*', nested 'optimizer.*'"
+    imp.notes[0] = "DCP layout: 'model.*', nested 'optimizer.*'"  # otherwise checked as the DCP one
+    _check_trained(imp, "'model.*', nested 'optimizer.*'")
+    assert imp.stateful["lr_scheduler"]["last_epoch"] == 3
+    _import(full, tmp_path / "zs_full")
+    _resumes_like(tmp_path / "zs_full", acc_next)
+    (full / "optimizer_1.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="several models or optimizers"):
+        read_dcp(str(full))
 
 
 def test_flattened_groups_are_rebuilt_like_the_nested_ones(tmp_path):

@@ -29,6 +29,7 @@ from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.storage import Location
 from zeroshard.storage.claim import take_claim
 
+from interop_model import make_model
 from test_bad_input import _cli_with_file_size_limit
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
@@ -788,6 +789,27 @@ def test_dcp_truncated_data_file_is_refused(tmp_path):
     data = src / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:-100])
     _refused_dcp(src, tmp_path, "__0_0.distcp", "past its end")
+
+
+@pytest.mark.parametrize("case", ["hostile", "not-a-dict", "key-not-a-name", "per-rank-shards"])
+def test_accelerate_full_state_dict_pickles_hostile_or_odd_are_one_line(tmp_path, case):
+    """Accelerate's FULL_STATE_DICT save_state (pytorch_model_fsdp.bin + optimizer.bin) is read
+    through the allowlist: a callable in it runs nothing; odd contents are one line naming the file."""
+    src = tmp_path / "acc"
+    src.mkdir()
+    side = tmp_path / "pwned"
+    model = make_model(0).state_dict()
+    content = {"hostile": {"emb.weight": _evil(side)}, "not-a-dict": [1, 2], "key-not-a-name": {3: torch.ones(2)},
+               "per-rank-shards": None}[case]
+    if case == "per-rank-shards":  # SHARDED_STATE_DICT with use_dcp=False: per-rank pickles of DTensors
+        torch.save(model, src / "pytorch_model_fsdp_0_rank0.bin")
+        _refused_dcp(src, tmp_path, "pytorch_model_fsdp_0_rank0.bin", "use_dcp=False")
+        return
+    torch.save(content, src / "pytorch_model_fsdp.bin")
+    needle = {"hostile": "refused to unpickle", "not-a-dict": "holds a list, not a state dict",
+              "key-not-a-name": "a key is a int"}[case]
+    _refused_dcp(src, tmp_path, "pytorch_model_fsdp.bin", needle)
+    assert not side.exists()
 
 
 def test_dcp_hostile_pickle_in_a_data_blob_runs_nothing(tmp_path):

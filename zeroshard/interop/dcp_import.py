@@ -29,6 +29,7 @@ from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
+from zeroshard.interop.pickled_state import PickledSource
 
 
 def _path_of(metadata: Any, key: str) -> tuple:
@@ -41,6 +42,8 @@ def _path_of(metadata: Any, key: str) -> tuple:
 
 
 ACCELERATE_MODEL, ACCELERATE_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+ACCELERATE_FULL_MODEL, ACCELERATE_FULL_OPTIMIZER = "pytorch_model_fsdp.bin", "optimizer.bin"  # FULL_STATE_DICT
+_PER_RANK_PICKLE = re.compile(r"(?:pytorch_model_fsdp|optimizer)_\d+_rank\d+\.bin")  # SHARDED, use_dcp=False
 
 
 class _Source:
@@ -53,6 +56,17 @@ class _Source:
         self.files = {i.relative_path for i in storage.values()}
         self.chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
                        for index, info in storage.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.metadata.state_dict_metadata)
+
+    def path(self, key: str) -> tuple:
+        return _path_of(self.metadata, key)
+
+    def dims(self, key: str) -> int | None:
+        """The tensor's number of dimensions; None for a pickled object."""
+        entry = self.metadata.state_dict_metadata[key]
+        return len(entry.size) if type(entry).__name__ == "TensorStorageMetadata" else None
 
     def read(self, key: str) -> Any:
         entry = self.metadata.state_dict_metadata[key]
@@ -68,7 +82,7 @@ def _has_metadata(folder: str) -> bool:
     return files.isfile(files.join(folder, ".metadata"))
 
 
-def _sources(folder: str) -> tuple[list[_Source], list[str], list[str]]:
+def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
     """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair), notes,
     and the names of what else an Accelerate save_state folder holds (beside.py reads them)."""
     if not files.isdir(folder):
@@ -80,10 +94,15 @@ def _sources(folder: str) -> tuple[list[_Source], list[str], list[str]]:
             notes.append(f"the optimizer state is in the sibling {ACCELERATE_OPTIMIZER}/, not imported: "
                          "import the folder holding both to take it")
         return [_Source(folder)], notes, []
-    if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
-        raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
-                                      f"{ACCELERATE_MODEL}/.metadata)")
     names = files.listdir(folder)
+    if ACCELERATE_FULL_MODEL in names:
+        return _full_state_sources(folder, names)
+    if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
+        per_rank = next((n for n in names if _PER_RANK_PICKLE.fullmatch(n)), None)
+        why = (f"; {per_rank} is a per-rank torch.save of DTensor shards (Accelerate's SHARDED_STATE_DICT with "
+               "use_dcp=False), which is not read: save with DCP (the default) or FULL_STATE_DICT" if per_rank else "")
+        raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
+                                      f"{ACCELERATE_MODEL}/.metadata or {ACCELERATE_FULL_MODEL}){why}")
     extra_models = [n for n in names if re.fullmatch(r"pytorch_model_fsdp_[1-9]\d*", n)]
     extra_optims = [n for n in names if re.fullmatch(r"optimizer_[1-9]\d*", n)]
     if extra_models or extra_optims:
@@ -93,6 +112,18 @@ def _sources(folder: str) -> tuple[list[_Source], list[str], list[str]]:
     if _has_metadata(files.join(folder, ACCELERATE_OPTIMIZER)):
         sources.append(_Source(files.join(folder, ACCELERATE_OPTIMIZER)))
     return sources, [], [n for n in names if n not in (ACCELERATE_MODEL, ACCELERATE_OPTIMIZER)]
+
+
+def _full_state_sources(folder: str, names: list[str]) -> tuple[list[Any], list[str], list[str]]:
+    """Accelerate's FULL_STATE_DICT save_state (pickled_state.py): the model and optimizer files."""
+    extra = [n for n in names if re.fullmatch(r"(?:pytorch_model_fsdp|optimizer)_[1-9]\d*\.bin", n)]
+    if extra:
+        raise CheckpointError(folder, f"an Accelerate save_state of several models or optimizers "
+                                      f"({', '.join(sorted(extra))}): only one of each is supported")
+    sources = [PickledSource(files.join(folder, ACCELERATE_FULL_MODEL), folder, "model")]
+    if ACCELERATE_FULL_OPTIMIZER in names:
+        sources.append(PickledSource(files.join(folder, ACCELERATE_FULL_OPTIMIZER), folder, "optimizer"))
+    return sources, [], [n for n in names if n not in (ACCELERATE_FULL_MODEL, ACCELERATE_FULL_OPTIMIZER)]
 
 
 def _buffer_pattern(buffers: str | None) -> re.Pattern | None:
@@ -190,15 +221,14 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     folder = src.rstrip("/") or "/"
     pattern = _buffer_pattern(buffers)
     sources, notes, beside = _sources(folder)
-    owner: dict[str, _Source] = {}
+    owner: dict[str, _Source | PickledSource] = {}
     paths: dict[str, tuple] = {}
     for source in sources:
-        for key in source.metadata.state_dict_metadata:
+        for key in source.keys():
             if key in owner:
                 raise CheckpointError(folder, f"{key}: in both {owner[key].folder} and {source.folder}")
-            owner[key], paths[key] = source, _path_of(source.metadata, key)
-    tensors = {k: len(e.size) for k, e in ((k, s.metadata.state_dict_metadata[k]) for k, s in owner.items())
-               if type(e).__name__ == "TensorStorageMetadata"}
+            owner[key], paths[key] = source, source.path(key)
+    tensors = {k: dims for k, dims in ((k, s.dims(k)) for k, s in owner.items()) if dims is not None}
     layout: Layout = classify(folder, paths, tensors)
 
     model: dict[str, Any] = {}
@@ -240,7 +270,8 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
         names = [n for n in model if model[n].is_floating_point() and n not in forced]
 
     prefixes: dict[str, Any] = {}
-    imp = Imported(source=f"dcp:{files.absolute(folder)}", params={}, zero_stage=3,
+    pickled = isinstance(sources[0], PickledSource)
+    imp = Imported(source=f"{'accelerate' if pickled else 'dcp'}:{files.absolute(folder)}", params={}, zero_stage=3,
                    world_size=max(len(s.files) for s in sources) or 1)
     for name in names:
         if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params, prefixes) is not None:
@@ -275,7 +306,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     trained = imp.client_state.get("train_state", {}).get("step") if isinstance(imp.client_state, dict) else None
     imp.global_steps = imp.micro_steps = int(steps[0]) if steps else int(trained) if isinstance(trained, int) else 0
 
-    notes.insert(0, f"DCP layout: {layout.name}")
+    notes.insert(0, f"{'Accelerate full state dict' if pickled else 'DCP'} layout: {layout.name}")
     if not layout.optimizer_prefix:
         notes.append(f"no optimizer state in the source: {len(imp.params)} floating tensor(s) imported as "
                      f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); name "
