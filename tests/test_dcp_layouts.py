@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,6 +407,10 @@ def test_accelerate_fsdp_save_state(tmp_path):
     assert any(n.startswith("LR scheduler state carried: lr_scheduler from scheduler.bin") for n in imp.notes)
     _import(out, tmp_path / "zs")
     _resumes_like(tmp_path / "zs", acc_next)
+    # the Trainer with FSDP writes this folder as its checkpoint-N, with its trainer_state.json beside
+    shutil.copy(Path(__file__).parent / "data" / "deepspeed" / "hf_trainer" / "checkpoint-3" / "trainer_state.json",
+                out)
+    assert read_dcp(str(out)).client_state["hf_trainer_state"]["global_step"] == 3
     # the model folder alone imports too, and says where the optimizer state was left
     alone = read_dcp(str(out / "pytorch_model_fsdp_0"), buffers="scale")
     assert any("sibling optimizer_0/" in n for n in alone.notes) and not alone.optimizer_state

@@ -1,6 +1,6 @@
 """What Accelerate's `save_state` and Hugging Face's Trainer write beside a checkpoint's weights:
-LR scheduler states and Accelerate's custom objects are carried; the rest (RNG states, samplers,
-training arguments) is named.
+LR scheduler states, Accelerate's custom objects and the Trainer's trainer_state.json are
+carried; the rest (RNG states, samplers, training arguments) is named.
 
 [Note: schedulers beside the weights] DeepSpeed holds a scheduler only of its own classes
 (WarmupLR, OneCycle, ...). A torch scheduler, such as the LambdaLR every transformers warmup
@@ -19,6 +19,7 @@ register one) is refused: a global Stateful state is JSON, and leaving it out lo
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from typing import Any
@@ -37,16 +38,22 @@ NOT_READ = re.compile(r"^(?:random_states_\d+\.pkl|sampler(?:_\d+)?\.bin|dl_stat
                       r"|scaler\.pt|rng_state(?:_\d+)?\.pth|training_args\.bin"
                       r"|optimizer\.pt)$")
 MAX_STATE_BYTES = 16 * 1024 * 1024  # a scheduler's state is a few numbers per param group
+TRAINER_STATE = "trainer_state.json"  # what transformers' Trainer writes in checkpoint-N
+TRAINER_STATE_KEY = "hf_trainer_state"  # where it lands in the imported client_state
+MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # log_history of a long run; far above any real one
 
 
 def is_beside(name: str) -> bool:
     """Whether `name` is a file Accelerate or the Trainer writes beside a checkpoint's weights."""
-    return bool(SCHEDULER.match(name) or CUSTOM.match(name) or NOT_READ.match(name))
+    return bool(SCHEDULER.match(name) or CUSTOM.match(name) or NOT_READ.match(name) or name == TRAINER_STATE)
 
 
 def carry_beside(imp: Imported, folder: str, names: list[str], label: str) -> None:
     """Carry the scheduler and custom-object files among `names` (in `folder`) into
-    `imp.stateful`; name the others in a note starting with `label`."""
+    `imp.stateful` and trainer_state.json into the client state; name the others in a note
+    starting with `label`."""
+    if TRAINER_STATE in names:
+        carry_trainer_state(imp, folder)
     schedulers = sorted((int(m.group(1) or 0), n) for n in names if (m := SCHEDULER.match(n)))
     carried = []
     for _, name in schedulers:
@@ -66,7 +73,7 @@ def carry_beside(imp: Imported, folder: str, names: list[str], label: str) -> No
         imp.notes.append(f"Accelerate's registered objects carried as Stateful state: "
                          f"{', '.join(n.rsplit('.', 1)[0] for _, n in customs)} (restore each with a Checkpointer's "
                          f"stateful objects under that key)")
-    rest = sorted(n for n in names if not SCHEDULER.match(n) and not CUSTOM.match(n))
+    rest = sorted(n for n in names if not SCHEDULER.match(n) and not CUSTOM.match(n) and n != TRAINER_STATE)
     if rest:
         imp.notes.append(f"{label}, not imported (pickles are not read): {', '.join(rest)}")
 
@@ -90,3 +97,23 @@ def read_state(path: str, folder: str, what: str, loss: str) -> dict[str, Any]:
         return to_json_value(state, f"{what} in {posixpath.basename(path)}")
     except TypeError as exc:
         raise CheckpointError(path, f"{exc}; {hint}") from None
+
+
+def carry_trainer_state(imp: Imported, folder: str) -> None:
+    """Hugging Face Trainer's checkpoint-N/trainer_state.json into client_state[TRAINER_STATE_KEY]:
+    bounded in size and nesting, plain JSON, never executed."""
+    path = files.join(folder, TRAINER_STATE)
+    raw = files.read_inside(path, folder, MAX_TRAINER_STATE_BYTES)
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(path, f"is not a JSON document ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"must hold a JSON object, got {type(state).__name__}")
+    if nesting_depth(state) > MAX_NESTING:
+        raise CheckpointError(path, f"nested deeper than {MAX_NESTING} levels")
+    if not isinstance(imp.client_state, dict):
+        imp.client_state = {}
+    if TRAINER_STATE_KEY in imp.client_state:
+        raise CheckpointError(path, f"the client state already has a {TRAINER_STATE_KEY!r} key")
+    imp.client_state[TRAINER_STATE_KEY] = state

@@ -39,8 +39,6 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.beside import carry_beside, is_beside
 from zeroshard.interop.deepspeed_common import (
-    TRAINER_STATE,
-    carry_trainer_state,
     fill_from_model,
     gather_frozen_stage3,
     int_field,
@@ -156,8 +154,6 @@ def _read_deepspeed(src: str) -> Imported:
         raise CheckpointError(folder, f"unexpected DeepSpeed checkpoint layout ({type(exc).__name__}: {exc}); "
                                       "ZeRO 1/2/3 data-parallel checkpoints are supported") from None
     parent = files.parent(folder)
-    if files.exists(files.join(parent, TRAINER_STATE)):
-        carry_trainer_state(imp, parent)
     beside = [n for n in files.listdir(parent) if is_beside(n)]
     carry_beside(imp, parent, beside, f"beside {posixpath.basename(folder)}/")
     return imp

@@ -5,7 +5,6 @@ deepspeed_universal.py (ds_to_universal folders)."""
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -30,9 +29,6 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "ds_version", "checkpoint_parallel_dimensions", "moe_layers", "autoep_layers", "ds_autoep_layers",
            "universal_checkpoint_info"}
 MAX_DIMS = 64
-TRAINER_STATE = "trainer_state.json"  # what transformers' Trainer writes beside global_stepN
-TRAINER_STATE_KEY = "hf_trainer_state"  # where it lands in the imported client_state
-MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # log_history of a long run; far above any real one
 
 
 def int_field(where: str, value: Any, what: str, default: int = 0) -> int:
@@ -230,25 +226,3 @@ def gather_frozen_stage3(folder: str, world: int, model_path: str, model: dict) 
 def _holds_data(value: Any) -> bool:
     """A module tensor with elements (stage 3 saves parameters there as empty placeholders)."""
     return is_tensor(value) and value.numel() > 0
-
-
-def carry_trainer_state(imp: Imported, folder: str) -> None:
-    """Hugging Face Trainer's checkpoint-N/trainer_state.json (beside global_stepN) into
-    client_state[TRAINER_STATE_KEY]: bounded in size and nesting, plain JSON, never executed."""
-    path = files.join(folder, TRAINER_STATE)
-    if not files.exists(path):
-        return
-    raw = files.read_inside(path, folder, MAX_TRAINER_STATE_BYTES)
-    try:
-        state = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(path, f"is not a JSON document ({type(exc).__name__}: {str(exc)[:80]})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(path, f"must hold a JSON object, got {type(state).__name__}")
-    if nesting_depth(state) > MAX_NESTING:
-        raise CheckpointError(path, f"nested deeper than {MAX_NESTING} levels")
-    if not isinstance(imp.client_state, dict):
-        imp.client_state = {}
-    if TRAINER_STATE_KEY in imp.client_state:
-        raise CheckpointError(path, f"the DeepSpeed client state already has a {TRAINER_STATE_KEY!r} key")
-    imp.client_state[TRAINER_STATE_KEY] = state
