@@ -29,7 +29,11 @@ this one and saves it as `scheduler.bin` beside the tag folder); hf_trainer (Hug
 Trainer itself, `TrainingArguments(deepspeed=...)` with ZeRO 2 on CPU, its default AdamW (two
 param groups: no weight decay on biases and LayerNorm) and linear warmup schedule, saving
 `checkpoint-3/` and resuming with `train(resume_from_checkpoint=...)`; its dataset repeats one
-sample, so each rank's batches are known).
+sample, so each rank's batches are known); hf_trainer_lora (the same Trainer on the model
+wrapped by PEFT's LoRA on `fc`: the Trainer saves a PEFT model with DeepSpeed's
+`exclude_frozen_parameters=True`, so only the adapters, and tied copies, are in DeepSpeed's files;
+both runs build the base from seed 0, as from one pretrained checkpoint, the resume's adapters
+from seed 1).
 """
 
 from __future__ import annotations
@@ -80,7 +84,9 @@ VARIANTS = {
     "accelerate": {"stage": 2, "accelerate": True},
     "accelerate_lambdalr": {"stage": 2, "accelerate": True, "scheduler": True},
     "hf_trainer": {"stage": 2, "trainer": True},
+    "hf_trainer_lora": {"stage": 2, "trainer": True, "lora": True},
 }
+LORA = {"target_modules": ["fc"], "r": 2, "lora_alpha": 4, "init_lora_weights": False}  # random B: the adapters act
 # the HF Trainer fixture's schedule (transformers' get_scheduler arguments)
 TRAINER_SCHEDULE = {"name": "linear", "num_warmup_steps": 4, "num_training_steps": STEPS_BEFORE + STEPS_AFTER}
 
@@ -159,8 +165,14 @@ def _trainer(rank: int, name: str, phase: str, out: str) -> None:
 
     from interop_model import TrainerTied
 
-    torch.manual_seed(0 if phase == "save" else 1)  # the resume's fresh weights must all be overwritten
-    model = TrainerTied()
+    lora = VARIANTS[name].get("lora")
+    torch.manual_seed(0 if phase == "save" or lora else 1)  # fresh weights the resume must overwrite...
+    model = inner = TrainerTied()
+    if lora:  # ... but a LoRA run's base is its pretrained model, the same in both; its adapters are fresh
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0 if phase == "save" else 1)
+        model = get_peft_model(model, LoraConfig(**LORA))
     tokens, targets = trainer_batch()
     data = [{"input_ids": tokens[0], "labels": targets[0]}] * 64
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
@@ -174,7 +186,7 @@ def _trainer(rank: int, name: str, phase: str, out: str) -> None:
                              seed=0, use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=os.path.join(out, HF_FOLDER) if phase == "resume" else None)
-    losses = torch.tensor(model.losses)
+    losses = torch.tensor(inner.losses)
     dist.all_reduce(losses)
     losses = (losses / WORLD).tolist()
     progress = Path(out, "progress.json")
@@ -188,7 +200,7 @@ def _trainer(rank: int, name: str, phase: str, out: str) -> None:
         expected = {"variant": name, "stage": VARIANTS[name]["stage"], "world_size": WORLD, "tag": TAG,
                     "deepspeed_version": deepspeed.__version__, "transformers_version": transformers.__version__,
                     "torch_version": torch.__version__, **json.loads(progress.read_text()), "losses_resumed": losses,
-                    "client_state": {}, "scheduler": TRAINER_SCHEDULE}
+                    "client_state": {}, "scheduler": TRAINER_SCHEDULE, **({"lora": LORA} if lora else {})}
         expected["scheduler_steps_per_step"] = expected.pop("scheduler_last_epoch") // STEPS_BEFORE
         Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 

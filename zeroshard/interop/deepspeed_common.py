@@ -121,7 +121,10 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     imp.buffers = {n: module[n].materialize() if isinstance(module[n], LazyTensor) else module[n].detach().clone()
                    for n in model["buffer_names"] if n in module}
     carry_frozen(imp, model_path, model, frozen_fragments)
-    imp.aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items() if v in imp.params}
+    ties = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+    if imp.zero_stage >= 2 and model.get("frozen_param_shapes") is None:
+        _note_frozen_excluded(imp, module, ties)
+    imp.aliases = {alias: target for alias, target in ties.items() if target in imp.params}
     known = set(imp.params) | set(imp.buffers) | set(imp.aliases)
     untied = [k for k in module if k not in known and _holds_data(module[k])]
     if untied:  # stage 3 only (stages 1-2 carry every other module tensor as frozen): a layout not understood
@@ -161,6 +164,23 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
                                                   "lose them") from None
             imp.notes.append(f"{exc}: left out")
     imp.client_state = client
+
+
+def _note_frozen_excluded(imp: Imported, module: dict, ties: dict[str, str]) -> None:
+    """save_checkpoint(exclude_frozen_parameters=True), which the HF Trainer uses for PEFT models:
+    stages 2-3 then record no frozen_param_shapes and the module state dict drops frozen
+    parameters by name, but not a tied copy of one, which still holds its value: carried as the
+    parameter it is tied to, not dropped."""
+    recovered = []
+    for alias, target in ties.items():
+        value = module.get(alias)
+        if target not in imp.params and target not in imp.buffers and _holds_data(value):
+            imp.params[target] = with_shape(value, tuple(value.shape))
+            recovered.append(f"{target} (from its tied copy {alias})")
+    imp.notes.append("saved with exclude_frozen_parameters (the HF Trainer does so for PEFT models): the frozen "
+                     "parameters are not in this checkpoint, only the trainable ones"
+                     + (f" and {', '.join(recovered)}" if recovered else "")
+                     + "; resume by loading it with strict=False into the model built from its base weights")
 
 
 def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[str, Any] | None) -> None:
