@@ -33,7 +33,7 @@ sample, so each rank's batches are known); hf_trainer_lora (the same Trainer on 
 wrapped by PEFT's LoRA on `fc`: the Trainer saves a PEFT model with DeepSpeed's
 `exclude_frozen_parameters=True`, so only the adapters, and tied copies, are in DeepSpeed's files;
 both runs build the base from seed 0, as from one pretrained checkpoint, the resume's adapters
-from seed 1).
+from seed 1); hf_trainer_lora_stage3 (the same at ZeRO 3).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ VARIANTS = {
     "accelerate_lambdalr": {"stage": 2, "accelerate": True, "scheduler": True},
     "hf_trainer": {"stage": 2, "trainer": True},
     "hf_trainer_lora": {"stage": 2, "trainer": True, "lora": True},
+    "hf_trainer_lora_stage3": {"stage": 3, "trainer": True, "lora": True},
 }
 LORA = {"target_modules": ["fc"], "r": 2, "lora_alpha": 4, "init_lora_weights": False}  # random B: the adapters act
 # the HF Trainer fixture's schedule (transformers' get_scheduler arguments)
