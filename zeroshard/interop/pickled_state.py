@@ -2,7 +2,8 @@
 keys, each with its path and value, so dcp_layouts.classify decides the layout alike.
 
 [Note: Accelerate's FULL_STATE_DICT] FULL_STATE_DICT is the default `state_dict_type` of
-Accelerate's FSDP plugin. Its `save_state` then writes no DCP folders but two pickles on rank 0:
+Accelerate's FSDP plugin with FSDP1 (FSDP2's is SHARDED_STATE_DICT, written as DCP folders). Its
+`save_state` then writes no DCP folders but two pickles on rank 0:
 `pytorch_model_fsdp.bin` (the model's full state dict by FQN, tied weights under both names) and
 `optimizer.bin` (FSDP's full optimizer state dict: `state` and `param_groups` by FQN). They are
 read with torch_zip.load_lazy (the weights_only unpickler, tensors read by range when written)
@@ -24,7 +25,7 @@ class PickledSource:
     """One torch.save'd state dict whose entries go under `head` ("model" or "optimizer")."""
 
     def __init__(self, path: str, root: str, head: str) -> None:
-        self.folder = path
+        self.folder = path  # what errors name (a DCP source's folder)
         self.files = {path}
         loaded = torch_zip.load_lazy(path, root)
         if not isinstance(loaded, dict):
