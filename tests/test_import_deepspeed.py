@@ -232,10 +232,14 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
     src.mkdir()
     shutil.copy(FIXTURES / "hf_trainer" / "checkpoint-3" / "model.safetensors", src)
     result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
-    assert result.exit_code == 1 and "model weights only" in result.output, result.output
+    assert result.exit_code == 1 and "model weights (a Trainer checkpoint" in result.output, result.output
+    assert "fresh optimizer" not in result.output
     command = result.output.split("`")[1].replace("OUT", str(tmp_path / "sharded")).replace("N", "2").split()
     assert command[:2] == ["zeroshard", "shard"]
     assert CliRunner().invoke(main, [*command[1:], "-q"]).exit_code == 0
+    torch.save({"state": {}, "param_groups": []}, src / "optimizer.pt")  # the Trainer's without DeepSpeed
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
+    assert "with a fresh optimizer: optimizer.pt keys its state by parameter index" in result.output, result.output
 
 
 def test_interop_is_toolkit_side():

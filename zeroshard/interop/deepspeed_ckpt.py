@@ -106,9 +106,12 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
         raise CheckpointError(src, f"holds several Trainer checkpoints ({shown}): name the one to import")
     weights = [n for n in ("model.safetensors.index.json", "model.safetensors") if n in names]
     shard_src = src if weights[:1] == ["model.safetensors.index.json"] else files.join(src, "model.safetensors")
-    hint = (f"; it holds {weights[0]}, model weights only (a Trainer save_only_model checkpoint or an HF "
-            f"model folder): `zeroshard shard {shard_src} OUT --world N` starts a checkpoint from them"
+    hint = (f"; it holds {weights[0]}, model weights (a Trainer checkpoint without DeepSpeed, or an HF model "
+            f"folder): `zeroshard shard {shard_src} OUT --world N` starts a checkpoint from them"
             if weights else "")
+    if weights and "optimizer.pt" in names:  # the Trainer's DDP save: torch's optimizer.state_dict()
+        hint += (", with a fresh optimizer: optimizer.pt keys its state by parameter index, without names, "
+                 "so it cannot be matched to the weights offline")
     raise CheckpointError(src, "not a DeepSpeed checkpoint: no *_optim_states.pt files, no 'latest' or "
                                f"'latest_universal', no checkpoint-N folder{hint}")
 
