@@ -402,8 +402,11 @@ def test_accelerate_fsdp_save_state(tmp_path):
     assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
     imp = read_dcp(str(out))
     _check_trained(imp, "'model.*', nested 'optimizer.*'")
-    assert any("Accelerate save_state, not imported" in n and "random_states_0.pkl" in n for n in imp.notes)
+    assert any(n.startswith("RNG streams of the 2 ranks read (random_states_0.pkl, ...)") for n in imp.notes)
     assert imp.stateful["lr_scheduler"]["last_epoch"] == 3  # scheduler.bin: carried, not named as dropped
+    for rank in range(2):  # each process's RNG streams: its rank's, from random_states_{rank}.pkl
+        saved = torch.load(out / f"random_states_{rank}.pkl", weights_only=False)  # trusted: written just now
+        assert torch.equal(imp.rank_states[rank]["rng"]["torch"], saved["torch_manual_seed"])
     assert any(n.startswith("LR scheduler state carried: lr_scheduler from scheduler.bin") for n in imp.notes)
     _import(out, tmp_path / "zs")
     _resumes_like(tmp_path / "zs", acc_next)

@@ -112,8 +112,8 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     steps = [3, 4, 5]
     frozen = FROZEN if variant.startswith("frozen") else ()
     assert ("5 parameters (105 elements; 2 frozen, without optimizer state)" in output) == bool(frozen), output
-    if variant.startswith("accelerate"):  # Accelerate's own state beside the tag folder is named, not read
-        assert "beside pytorch_model/, not imported (pickles are not read): random_states_0.pkl" in output, output
+    if variant.startswith("accelerate"):  # on CPU its state says 1 process: both ranks wrote random_states_0.pkl
+        assert "RNG streams not carried: random_states_0.pkl cover processes 0 of a 2-rank save" in output, output
     scheduler_steps = expected.get("scheduler_steps_per_step", 0)
     if scheduler_steps:  # a torch LambdaLR Accelerate saved beside the tag folder (scheduler.bin): carried
         assert "LR scheduler state carried: lr_scheduler from scheduler.bin" in output, output
@@ -461,7 +461,7 @@ def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
     out = tmp_path / "imported"
     output = _import(FIXTURES / "hf_trainer", out)  # the run folder: its one checkpoint-3
     assert "LR scheduler state carried: lr_scheduler from scheduler.pt" in output, output
-    assert "not imported (pickles are not read): rng_state_0.pth, rng_state_1.pth, training_args.bin" in output
+    assert "not imported (pickles are not read): training_args.bin" in output, output
     _, manifest = open_checkpoint(str(out))
     assert [len(g["params"]) for g in manifest.optimizer["param_groups"]] == [2, 3]
     assert manifest.client_state["hf_trainer_state"]["global_step"] == 3
@@ -547,3 +547,42 @@ def zeroshard_load(path: Path) -> dict:
     import zeroshard
 
     return zeroshard.load_state_dict(str(path))
+
+
+def _draws_after_load(rank: int, world_size: int, path: str) -> dict:
+    """What this rank's torch, Python and NumPy generators draw right after engine.load_checkpoint."""
+    import random
+
+    import numpy as np
+
+    import zeroshard
+
+    engine = zeroshard.initialize(model=make_model(1), optimizer=make_optimizer,
+                                  config={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4})
+    engine.load_checkpoint(path)
+    return {"torch": torch.rand(3).tolist(), "python": random.random(), "numpy": np.random.rand(2).tolist()}
+
+
+def test_hf_trainer_rng_streams_come_back_at_the_same_world_size(tmp_path):
+    """The Trainer's rng_state_{r}.pth (torch, Python, NumPy streams of process r) become rank r's
+    RNG state: after engine.load_checkpoint each rank draws what the Trainer's resume would; at
+    another world size they are not written, and the output says so."""
+    import random
+
+    import numpy as np
+
+    out = tmp_path / "imported"
+    output = _import(FIXTURES / "hf_trainer", out)
+    assert "RNG streams of the 2 ranks read (rng_state_0.pth, ...)" in output, output
+    got = run_ranks(_draws_after_load, 2, path=str(out), init_process_group=False)
+    for rank in range(2):  # the Trainer's own file, read in full (a trusted fixture), set as its resume does
+        saved = torch.load(FIXTURES / "hf_trainer" / "checkpoint-3" / f"rng_state_{rank}.pth", weights_only=False)
+        torch.set_rng_state(saved["cpu"])
+        random.setstate(saved["python"])
+        np.random.set_state(saved["numpy"])
+        assert got[rank] == {"torch": torch.rand(3).tolist(), "python": random.random(),
+                             "numpy": np.random.rand(2).tolist()}, rank
+    output = _import(FIXTURES / "hf_trainer", tmp_path / "three", "--world", "3")
+    assert "the per-rank state (RNG streams) of the source's 2 ranks is not written: it means nothing at 3" in output
+    _, manifest = open_checkpoint(str(tmp_path / "three"))
+    assert not [n for n in manifest.tensors if n.startswith("rank-state/")]

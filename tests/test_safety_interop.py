@@ -545,12 +545,13 @@ def test_deepspeed_hf_checkpoint_folder_looping_back_is_not_followed(tmp_path):
 
 
 def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
-    """The Trainer also leaves pickles in checkpoint-N (training_args.bin, rng_state_*.pth,
-    optimizer.pt): the import does not open them, so a callable in one runs nothing. Its
-    scheduler.pt is read, through the allowlist: a hostile one is refused and runs nothing."""
+    """The Trainer also leaves pickles in checkpoint-N (training_args.bin, optimizer.pt): the
+    import does not open them, so a callable in one runs nothing. Its scheduler.pt and
+    rng_state_*.pth are read, through the allowlist: a hostile scheduler is refused, hostile RNG
+    streams are left (named in a note: not model data); neither runs anything."""
     run = ds_copy(tmp_path, "hf", "run")
     side = tmp_path / "pwned"
-    for name in ("training_args.bin", "rng_state_0.pth", "scheduler.pt", "optimizer.pt"):
+    for name in ("training_args.bin", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "optimizer.pt"):
         torch.save(_evil(side), run / "checkpoint-3" / name)
     _refused_import(run, tmp_path, "scheduler.pt", "refused to unpickle", "move the file aside")
     assert not side.exists()
@@ -558,8 +559,9 @@ def test_deepspeed_hf_other_trainer_files_are_never_unpickled(tmp_path):
     code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
     assert code == 0, output
     assert not side.exists()
-    assert "not imported (pickles are not read): optimizer.pt, rng_state_0.pth, training_args.bin" \
+    assert "not imported (pickles are not read): optimizer.pt, training_args.bin" \
         in output, output  # named, so nothing is left behind unsaid
+    assert "RNG streams not carried: " in output and "rng_state_0.pth: not read: " in output, output
 
 
 def _lambda_lr_state(last_epoch: int) -> dict:

@@ -134,3 +134,14 @@ class RanksBuiltDifferentModelsError(EngineUsageError):
 
 class UnsupportedFeatureError(ZeroshardError, NotImplementedError):
     """A DeepSpeed feature zeroshard.deepspeed does not provide (the message names it and says why)."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` of an exception, cut to its first line and `limit` characters: a user's
+    load_state_dict may raise anything, and the error that reports it must stay one line."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit - 3] + "..."
+    more = " ..." if first and len(text.splitlines()) > 1 else ""
+    return f"{type(exc).__name__}: {first}{more}" if first else type(exc).__name__

@@ -17,17 +17,19 @@ of the state dicts with each tensor leaf replaced by {"__tensor__": name}. No pi
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from zeroshard.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+from zeroshard.errors import ArgumentTypeError, ConfigError, one_line
 from zeroshard.format import training_state
+from zeroshard.format.rank_state import JSON_TENSOR, decode_rank_state, encode_rank_state, parse_rank_state
 
-JSON_TENSOR = "__json__"
+__all__ = ["JSON_TENSOR", "RNGState", "Stateful", "decode_rank_state", "encode_rank_state", "name_stateful",
+           "one_line", "parse_rank_state", "restoring", "scope_of", "to_json_value"]
+
 
 
 @runtime_checkable
@@ -116,74 +118,6 @@ def to_json_value(value: Any, what: str) -> Any:
 _TENSOR_HINT = ' (global states are JSON in the manifest; an object with checkpoint_scope = "rank" may hold tensors)'
 
 
-def encode_rank_state(states: Mapping[str, dict[str, Any]]) -> bytes:
-    """This rank's per-rank Stateful states as one safetensors blob (see the module docstring)."""
-    from safetensors.torch import save
-
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(value: Any, path: str) -> Any:
-        if torch.is_tensor(value) and value.dim() > 0:
-            tensors[path] = value.detach().to("cpu").contiguous().clone()
-            return {"__tensor__": path}
-        if isinstance(value, dict):
-            return {str(k): walk(v, f"{path}/{k}") for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
-        return to_json_value(value, f"state of {path.split('/')[0]!r}")
-
-    tree = {key: walk(state, key) for key, state in states.items()}
-    tensors[JSON_TENSOR] = torch.frombuffer(bytearray(json.dumps(tree).encode()), dtype=torch.uint8)
-    return save(tensors)
-
-
-def decode_rank_state(blob: bytes, where: str) -> dict[str, Any]:
-    """The per-rank states saved by encode_rank_state; ValueError naming `where` if malformed."""
-    try:
-        return parse_rank_state(blob)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"{where}: {exc}") from None
-
-
-def parse_rank_state(blob: bytes) -> dict[str, Any]:
-    """decode_rank_state without a name: ValueError("malformed rank-state blob (...)"), one line."""
-    from safetensors.torch import load
-
-    try:
-        tensors = load(blob)
-        tree = json.loads(bytes(tensors.pop(JSON_TENSOR).numpy()).decode())
-        if not isinstance(tree, dict):
-            raise ValueError("its JSON is not an object")  # internal: caught below, reported as a malformed blob
-        return {str(key): _resolve(state, tensors) for key, state in tree.items()}
-    except Exception as exc:  # any malformation of the blob (absurd nesting included): one message
-        raise InvalidArgumentError(f"malformed rank-state blob ({one_line(exc)})") from None
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """`Type: message` of an exception, cut to its first line and `limit` characters: a user's
-    load_state_dict may raise anything, and the error that reports it must stay one line."""
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    if len(first) > limit:
-        first = first[:limit - 3] + "..."
-    more = " ..." if first and len(text.splitlines()) > 1 else ""
-    return f"{type(exc).__name__}: {first}{more}" if first else type(exc).__name__
-
-
 def restoring(key: str, obj: Any, rank: int, exc: BaseException) -> str:
     """What went wrong when `obj` (saved under `key`) rejected its state on `rank`, in one line."""
     return f"rank {rank}: restoring {key!r} ({type(obj).__name__}.load_state_dict) failed: {one_line(exc)}"
-
-
-def _resolve(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The JSON tree with each {"__tensor__": name} replaced by that tensor."""
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            if value["__tensor__"] not in tensors:
-                raise ValueError(  # internal: caught in decode_rank_state, reported as a malformed blob
-                    f"names a missing tensor {value['__tensor__']!r}")
-            return tensors[value["__tensor__"]]
-        return {k: _resolve(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v, tensors) for v in value]
-    return value

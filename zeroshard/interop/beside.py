@@ -1,6 +1,7 @@
 """What Accelerate's `save_state` and Hugging Face's Trainer write beside a checkpoint's weights:
-LR scheduler states, Accelerate's custom objects and the Trainer's trainer_state.json are
-carried; the rest (RNG states, samplers, training arguments) is named.
+LR scheduler states, Accelerate's custom objects, the Trainer's trainer_state.json and both
+tools' per-process RNG streams (rng_states.py) are carried; the rest (samplers, training
+arguments) is named.
 
 [Note: schedulers beside the weights] DeepSpeed holds a scheduler only of its own classes
 (WarmupLR, OneCycle, ...). A torch scheduler, such as the LambdaLR every transformers warmup
@@ -28,14 +29,14 @@ from zeroshard.errors import CheckpointError
 from zeroshard.format.training_state import to_json_value
 from zeroshard.interop import files
 from zeroshard.interop.imported import Imported, holds_tensors
+from zeroshard.interop.rng_states import ACCELERATE_RNG, TRAINER_RNG, read_rng_state, rng_files
 from zeroshard.interop.torch_pickle import MAX_NESTING, load_pt, nesting_depth
 
 SCHEDULER_KEY = "lr_scheduler"
 SCHEDULER = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
 CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 # Read but not carried: pickles of process state, or weights the checkpoint holds anyway.
-NOT_READ = re.compile(r"^(?:random_states_\d+\.pkl|sampler(?:_\d+)?\.bin|dl_state_dict(?:_\d+)?\.bin"
-                      r"|scaler\.pt|rng_state(?:_\d+)?\.pth|training_args\.bin"
+NOT_READ = re.compile(r"^(?:sampler(?:_\d+)?\.bin|dl_state_dict(?:_\d+)?\.bin|scaler\.pt|training_args\.bin"
                       r"|optimizer\.pt)$")
 MAX_STATE_BYTES = 16 * 1024 * 1024  # a scheduler's state is a few numbers per param group
 TRAINER_STATE = "trainer_state.json"  # what transformers' Trainer writes in checkpoint-N
@@ -45,7 +46,8 @@ MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # log_history of a long run; far abo
 
 def is_beside(name: str) -> bool:
     """Whether `name` is a file Accelerate or the Trainer writes beside a checkpoint's weights."""
-    return bool(SCHEDULER.match(name) or CUSTOM.match(name) or NOT_READ.match(name) or name == TRAINER_STATE)
+    return bool(SCHEDULER.match(name) or CUSTOM.match(name) or NOT_READ.match(name) or name == TRAINER_STATE
+                or TRAINER_RNG.match(name) or ACCELERATE_RNG.match(name))
 
 
 def carry_beside(imp: Imported, folder: str, names: list[str], label: str) -> None:
@@ -73,9 +75,31 @@ def carry_beside(imp: Imported, folder: str, names: list[str], label: str) -> No
         imp.notes.append(f"Accelerate's registered objects carried as Stateful state: "
                          f"{', '.join(n.rsplit('.', 1)[0] for _, n in customs)} (restore each with a Checkpointer's "
                          f"stateful objects under that key)")
-    rest = sorted(n for n in names if not SCHEDULER.match(n) and not CUSTOM.match(n) and n != TRAINER_STATE)
+    rng = rng_files(names)
+    if rng:
+        carry_rng(imp, folder, rng)
+    rest = sorted(n for n in names if not SCHEDULER.match(n) and not CUSTOM.match(n) and n != TRAINER_STATE
+                  and n not in rng.values())
     if rest:
         imp.notes.append(f"{label}, not imported (pickles are not read): {', '.join(rest)}")
+
+
+def carry_rng(imp: Imported, folder: str, rng: dict[int, str]) -> None:
+    """Each process's RNG streams into its rank's state, when there is one file per rank; else,
+    or if one cannot be read, a note says why the engine's own streams stay."""
+    shown = f"{rng[min(rng)]}{', ...' if len(rng) > 1 else ''}"
+    if sorted(rng) != list(range(imp.world_size)):
+        imp.notes.append(f"RNG streams not carried: {shown} cover processes {', '.join(map(str, sorted(rng)))} of a "
+                         f"{imp.world_size}-rank save")
+        return
+    try:
+        states = {rank: {"rng": read_rng_state(files.join(folder, name), folder)} for rank, name in rng.items()}
+    except CheckpointError as exc:
+        imp.notes.append(f"RNG streams not carried: {exc}")
+        return
+    imp.rank_states = states
+    imp.notes.append(f"RNG streams of the {len(states)} ranks read ({shown}), written when the import keeps "
+                     f"{len(states)} ranks: engine.load_checkpoint restores them")
 
 
 def read_state(path: str, folder: str, what: str, loss: str) -> dict[str, Any]:

@@ -156,6 +156,7 @@ class Imported:
     compute_dtype: str = "F32"
     loss_scale: dict[str, Any] = field(default_factory=lambda: {"scale": 1.0, "good_steps": 0, "hysteresis_left": 0})
     stateful: dict[str, Any] = field(default_factory=dict)  # Stateful key -> JSON state (LR schedulers)
+    rank_states: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> per-rank states ("rng")
     notes: list[str] = field(default_factory=list)  # what could not be carried over, for the user
 
 

@@ -97,7 +97,7 @@ def first_line(exc: BaseException) -> str:
     """torch's message is a page of advice; keep the line that names the offending global."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for line in lines:
-        if "GLOBAL" in line or "Unsupported" in line or "unrecognized" in line:
+        if "GLOBAL" in line or "Unsupported" in line or "unrecognized" in line or "but got" in line:
             return line.split(" was not an allowed global", 1)[0] + (
                 " (not on the allowlist)" if "was not an allowed global" in line else "")
     return lines[0] if lines else type(exc).__name__

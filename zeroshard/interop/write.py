@@ -4,7 +4,8 @@ The names, roles and manifest fields are the ones the engine's own save produces
 (zeroshard/format/training_state.py), so `engine.load_checkpoint` resumes from the result as
 from one of its own: `param` tensors (fp32 masters), `optimizer/{state}/{param}`, `buffer`s;
 manifest.optimizer {"class", "param_groups", "scalar_state"}; manifest.extra {"engine": counters
-and loss scaler, "stateful": {"lr_scheduler"}}. No RNG states: the source's are not ours.
+and loss scaler, "stateful": {key: state}}; per-rank RNG streams as rank-state blobs, written
+only at the source's world size.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
-from zeroshard.format.training_state import optimizer_key
+from zeroshard.format.rank_state import encode_rank_state
+from zeroshard.format.training_state import optimizer_key, rank_state_key
 from zeroshard.interop.imported import Imported, flat_range
 from zeroshard.storage.location import Location
 from zeroshard.storage.safetensors_header import dtype_name
@@ -75,6 +77,15 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
     for name, tensor in imp.buffers.items():
         specs.append(TensorSpec(name, "buffer", dtype_name(tensor.dtype), tuple(tensor.shape), "whole"))
         data[name] = tensor.reshape(-1)
+    notes = list(imp.notes)
+    if imp.rank_states and world == imp.world_size:  # per-rank state means something at its own world size only
+        for rank, states in sorted(imp.rank_states.items()):
+            blob = torch.frombuffer(bytearray(encode_rank_state(states)), dtype=torch.uint8)
+            specs.append(TensorSpec(rank_state_key(rank), "extra", "U8", tuple(blob.shape), "local", owner=rank))
+            data[rank_state_key(rank)] = blob
+    elif imp.rank_states:
+        notes.append(f"the per-rank state (RNG streams) of the source's {imp.world_size} ranks is not written: "
+                     f"it means nothing at {world} ranks")
 
     def fill(spec: TensorSpec, start: int, end: int, write) -> None:
         value = data[spec.name]
@@ -102,6 +113,6 @@ def write_imported(imp: Imported, out: str, world_size: int | None = None, *, ta
                    "scalar_state": imp.scalar_state} if imp.optimizer_state or imp.param_groups else None,
         client_state=imp.client_state, aliases=imp.aliases,
         extra={"engine": engine, "stateful": imp.stateful,
-               "source": imp.source, "import_notes": imp.notes})
+               "source": imp.source, "import_notes": notes})
     output.commit_checkpoint(manifest, sync_files=True)
     return manifest
