@@ -407,15 +407,44 @@ def test_accelerate_registered_objects_are_carried_and_one_holding_tensors_is_re
     assert not (tmp_path / "out2" / "zeroshard.json").exists()
 
 
-def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool) -> dict:
-    """Resume an HF Trainer import as its script would go on: TinyTied, the Trainer's AdamW groups
-    (no weight decay on biases and LayerNorm) or one plain group, its linear warmup schedule."""
+def _trainer_resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, expected: dict,
+                    with_scheduler: bool = True, strict: bool = True) -> dict:
+    """Resume an HF Trainer fixture's import as the Trainer's script would go on: its linear
+    warmup schedule (when `with_scheduler`), 3 steps of its one repeated batch; the mean losses and
+    the load's warnings."""
     import warnings
 
     import transformers
 
     import zeroshard
 
+    engine = zeroshard.initialize(model=model, optimizer=optimizer,
+                                  config={"zero_optimization": {"stage": expected["stage"]}, "gradient_clipping": 1.0,
+                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
+    schedule = expected["scheduler"]
+    scheduler = transformers.get_scheduler(schedule["name"], engine.optimizer,
+                                           num_warmup_steps=schedule["num_warmup_steps"],
+                                           num_training_steps=schedule["num_training_steps"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(path, lr_scheduler=scheduler if with_scheduler else None, strict=strict)
+    losses = []
+    for _ in range(3):
+        out = engine(*trainer_batch())
+        loss = out["loss"] if isinstance(out, dict) else out
+        engine.backward(loss)
+        engine.step()
+        for _ in range(expected["scheduler_steps_per_step"]):
+            scheduler.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return {"losses": losses, "warnings": [str(w.message) for w in caught]}
+
+
+def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool) -> dict:
+    """TinyTied with the Trainer's AdamW groups (no weight decay on biases and LayerNorm), or one
+    plain group (and then no scheduler)."""
     expected = json.loads((FIXTURES / "hf_trainer" / "expected.json").read_text())
     model = make_model(1)
     named = dict(model.named_parameters())
@@ -424,27 +453,7 @@ def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                    {"params": rest, "weight_decay": 0.0}] if trainers_groups else model.parameters(),
                                   lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-    engine = zeroshard.initialize(model=model, optimizer=optimizer,
-                                  config={"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
-    schedule = expected["scheduler"]
-    scheduler = transformers.get_scheduler(schedule["name"], engine.optimizer,
-                                           num_warmup_steps=schedule["num_warmup_steps"],
-                                           num_training_steps=schedule["num_training_steps"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine.load_checkpoint(path, lr_scheduler=scheduler if trainers_groups else None)
-    losses = []
-    for _ in range(3):
-        loss = engine(*trainer_batch())
-        engine.backward(loss)
-        engine.step()
-        for _ in range(expected["scheduler_steps_per_step"]):
-            scheduler.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-    return {"losses": losses, "warnings": [str(w.message) for w in caught]}
+    return _trainer_resume(model, optimizer, path, expected, with_scheduler=trainers_groups)
 
 
 def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
@@ -482,12 +491,7 @@ def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
 def _resume_lora(rank: int, world_size: int, path: str, variant: str) -> dict:
     """Resume the LoRA import as a PEFT script would: the base from its pretrained weights (seed
     0), fresh adapters (seed 1) the load must overwrite, AdamW over the adapters, strict=False."""
-    import warnings
-
-    import transformers
     from peft import LoraConfig, get_peft_model
-
-    import zeroshard
 
     expected = json.loads((FIXTURES / variant / "expected.json").read_text())
     torch.manual_seed(0)
@@ -495,27 +499,8 @@ def _resume_lora(rank: int, world_size: int, path: str, variant: str) -> dict:
     torch.manual_seed(1)
     model = get_peft_model(inner, LoraConfig(**expected["lora"]))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=LR, betas=BETAS,
-                                                                           weight_decay=WEIGHT_DECAY),
-                                  config={"zero_optimization": {"stage": expected["stage"]}, "gradient_clipping": 1.0,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH})
-    schedule = expected["scheduler"]
-    scheduler = transformers.get_scheduler(schedule["name"], engine.optimizer,
-                                           num_warmup_steps=schedule["num_warmup_steps"],
-                                           num_training_steps=schedule["num_training_steps"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine.load_checkpoint(path, lr_scheduler=scheduler, strict=False)
-    losses = []
-    for _ in range(3):
-        loss = engine(*trainer_batch())["loss"]
-        engine.backward(loss)
-        engine.step()
-        scheduler.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-    return {"losses": losses, "warnings": [str(w.message) for w in caught]}
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    return _trainer_resume(model, optimizer, path, expected, strict=False)
 
 
 @pytest.mark.parametrize("variant", ["hf_trainer_lora", "hf_trainer_lora_stage3"])
