@@ -31,7 +31,6 @@ __all__ = ["JSON_TENSOR", "RNGState", "Stateful", "decode_rank_state", "encode_r
            "one_line", "parse_rank_state", "restoring", "scope_of", "to_json_value"]
 
 
-
 @runtime_checkable
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
