@@ -38,15 +38,16 @@ def _same_import(a: str, b: str) -> None:
     for name in ta:
         assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
     (_, ma), (_, mb) = open_checkpoint(a), open_checkpoint(b)
-    assert (ma.step, ma.world_size, ma.optimizer, ma.client_state, ma.aliases) == \
-        (mb.step, mb.world_size, mb.optimizer, mb.client_state, mb.aliases)
+    assert (ma.step, ma.world_size, ma.optimizer, ma.client_state, ma.aliases, ma.extra["stateful"]) == \
+        (mb.step, mb.world_size, mb.optimizer, mb.client_state, mb.aliases, mb.extra["stateful"])
     assert [t.role for t in ma.tensors.values()] == [t.role for t in mb.tensors.values()]
 
 
-@pytest.mark.parametrize("variant", ["stage3", "stage1", "universal", "hf"])
+@pytest.mark.parametrize("variant", ["stage3", "stage1", "universal", "hf", "hf_trainer", "hf_trainer_lora"])
 def test_deepspeed_from_s3_imports_bit_identical_to_local(tmp_path, s3_bucket, s3_client, variant):
     """A DeepSpeed fixture uploaded to S3: `zeroshard import deepspeed s3://...` writes what the
-    local import writes, to a local OUT and to an s3:// OUT."""
+    local import writes, to a local OUT and to an s3:// OUT; the real Trainer's folders with what
+    lies beside the tag folder (scheduler, RNG streams, trainer state) too."""
     src = s3_bucket if variant == "stage1" else f"{s3_bucket}/ds"  # a bucket's root too
     _upload(s3_client, FIXTURES / variant, src)
     runner = CliRunner()
