@@ -8,10 +8,15 @@
                      read only the bytes of the range asked for (files or byte ranges of files)
   imported.py        Imported: a foreign checkpoint, in zeroshard terms; LazyTensor, Flat
   write.py           writing an Imported as a zeroshard checkpoint (the format writer)
-  deepspeed_ckpt.py  reading DeepSpeed ZeRO 1/2/3 checkpoint folders
+  deepspeed_ckpt.py  reading DeepSpeed ZeRO 1/2/3 checkpoint folders (deepspeed_common.py: what
+                     every layout shares; deepspeed_universal.py: ds_to_universal folders)
   dcp_metadata.py    reading torch.distributed.checkpoint `.metadata` (restricted unpickler)
   dcp_import.py      reading DCP checkpoints (FSDP2 model + optimizer) without a process group
   dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint (local or s3://)
+  pickled_state.py   a torch.save'd full state dict (Accelerate's FULL_STATE_DICT) as DCP keys
+  beside.py          what Accelerate and the HF Trainer save beside the weights: schedulers,
+                     registered objects, trainer_state.json carried; the rest named
+  rng_states.py      their per-process RNG files as each rank's RNG state
 
 torch is imported inside functions only, so `import zeroshard.cli` stays light.
 """
