@@ -606,6 +606,28 @@ def test_deepspeed_unreadable_scheduler_beside_is_refused_naming_it(tmp_path, co
     _refused_import(root, tmp_path, "scheduler.bin", needle)
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("cpu", torch.zeros(4), "holds no torch CPU generator state"),
+    ("python", (3, (1, 2, 3), None), "its Python `random` state is not random.getstate()'s"),
+    ("numpy", ("MT19937", "keys", 0, 0, 0.0), "its NumPy state is not numpy.random.get_state()'s"),
+    ("numpy", ("PCG64", None, 0, 0, 0.0), "its NumPy state is not numpy.random.get_state()'s"),
+], ids=["torch-float", "python-short", "numpy-not-an-array", "numpy-other-generator"])
+def test_deepspeed_hf_trainer_odd_rng_streams_are_left_with_a_note(tmp_path, field, value, needle):
+    """An RNG file whose fields are not the generators' states: the streams are not carried (the
+    engine's own stay), the note names the file and the field, and the import goes on."""
+    run = ds_copy(tmp_path, "hf_trainer", "run")
+    path = run / "checkpoint-3" / "rng_state_1.pth"
+    saved = torch.load(path, weights_only=False)  # our own fixture, written by the Trainer
+    saved[field] = value
+    torch.save(saved, path)
+    code, output = cli("import", "deepspeed", str(run), str(tmp_path / "out"))
+    assert code == 0, output
+    assert "RNG streams not carried: " in output and f"rng_state_1.pth: {needle}" in output, output
+    _, manifest = open_checkpoint(str(tmp_path / "out"))
+    assert not [n for n in manifest.tensors if n.startswith("rank-state/")]
+    assert manifest.extra["stateful"]["lr_scheduler"]["last_epoch"] == 3  # the rest still carried
+
+
 def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):
     run = ds_copy(tmp_path, "hf", "run")
     resave(run / "checkpoint-3" / TAG / MODEL, lambda m: m.__setitem__("hf_trainer_state", {"mine": 1}))
