@@ -33,19 +33,30 @@ def _dcp_folder(tmp_path: Path) -> Path:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("command", COMMANDS, ids=[c[0] for c in COMMANDS])
-@pytest.mark.parametrize("which", ["deepspeed root", "deepspeed tag", "dcp"])
+@pytest.mark.parametrize("which", ["deepspeed root", "deepspeed tag", "dcp", "accelerate", "trainer run",
+                                   "accelerate full state"])
 def test_a_foreign_folder_gets_the_import_command_to_run(tmp_path: Path, command: tuple[str, ...], which: str):
+    """The command named is the one that carries the most: a root holding `latest` (Accelerate's
+    save_state, whose tag folder is `pytorch_model/`), not the tag folder inside it, whose
+    scheduler and RNG files would stay behind; a Trainer run folder's newest checkpoint-N."""
+    target = None
     if which == "dcp":
         src, kind = _dcp_folder(tmp_path), "dcp"
+    elif which == "accelerate full state":  # FULL_STATE_DICT: two pickles, no DCP folder
+        (tmp_path / "full").mkdir()
+        torch.save(torch.nn.Linear(4, 3).state_dict(), tmp_path / "full" / "pytorch_model_fsdp.bin")
+        src, kind = tmp_path / "full", "dcp"
     else:
-        shutil.copytree(DEEPSPEED, tmp_path / "ds")
-        src, kind = (tmp_path / "ds" if which == "deepspeed root" else tmp_path / "ds" / "global_step3"), "deepspeed"
+        fixture = {"accelerate": "accelerate", "trainer run": "hf_trainer"}.get(which, "stage1")
+        shutil.copytree(DEEPSPEED.parent / fixture, tmp_path / "ds")
+        src, kind = (tmp_path / "ds" / "global_step3" if which == "deepspeed tag" else tmp_path / "ds"), "deepspeed"
+        target = tmp_path / "ds" / "checkpoint-3" if which == "trainer run" else None
     before = sorted((p.relative_to(src), p.stat().st_size) for p in src.rglob("*"))
     out = tmp_path / "out"
     out.mkdir()
     code, output = _run(command, src, out)
     assert code != 0 and "Traceback" not in output, output
-    assert f"`zeroshard import {kind} {src} OUT`" in output, output
+    assert f"`zeroshard import {kind} {target or src} OUT`" in output, output
     assert len(output.strip().splitlines()) == 1, output
     assert sorted((p.relative_to(src), p.stat().st_size) for p in src.rglob("*")) == before
     assert list(out.iterdir()) == []

@@ -9,6 +9,7 @@ a `latest` file, which moves only after that commit.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
@@ -67,22 +68,37 @@ def _is_deepspeed_file(name: str) -> bool:
     return name.endswith(("_model_states.pt", "_optim_states.pt"))
 
 
-def foreign_checkpoint_kind(location: Location) -> tuple[str, str] | None:
-    """(what it is, the `zeroshard import` subcommand) when `location` is a DeepSpeed or DCP
-    checkpoint rather than ours, else None. Names only: nothing foreign is read here."""
+def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, str, str] | None:
+    """(what it is, the `zeroshard import` subcommand, the path to give it) when `location` is a
+    DeepSpeed or DCP checkpoint, a folder whose `latest` names one, or an HF Trainer run folder
+    (its newest checkpoint-N), rather than ours; else None. Names, and a `latest` file's one
+    line, only: nothing foreign is read here."""
     if not location.exists():
         return None
     names = location.list()
-    if ".metadata" in names or any(n.startswith("pytorch_model_fsdp_") for n in names):
-        return "a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp"
+    if ".metadata" in names or any(n.startswith("pytorch_model_fsdp") for n in names):
+        return "a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp", location.url
     if any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
-        return "a DeepSpeed checkpoint", "deepspeed"
-    for step in [n for n in names if n.startswith("global_step")][:3]:  # a save_dir with tag folders
+        return "a DeepSpeed checkpoint", "deepspeed", location.url
+    tags = [n for n in names if n.startswith("global_step")][:3]  # a save_dir with tag folders
+    if LATEST_NAME in names:  # Accelerate's save_state names its tag folder `pytorch_model`
+        try:
+            latest = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES).decode("utf-8", "replace").strip()
+            tags += [latest] if is_safe_file_name(latest) and latest in names else []
+        except (OSError, ZeroshardError):
+            pass
+    for step in tags:
         try:
             if any(_is_deepspeed_file(m) for m in location.child(step).list()):
-                return "a DeepSpeed checkpoint folder", "deepspeed"
+                return "a DeepSpeed checkpoint folder", "deepspeed", location.url
         except (OSError, ZeroshardError):
             continue  # not a readable folder: no hint from it
+    runs = sorted((n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n)), key=lambda n: int(n[11:]))
+    if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are
+        inner = foreign_checkpoint_kind(location.child(runs[-1]), _depth + 1)
+        if inner is not None:
+            return (f"a Hugging Face Trainer run folder of {len(runs)} checkpoint(s), the newest "
+                    f"{runs[-1]} being {inner[0]}", inner[1], inner[2])
     return None
 
 
@@ -92,7 +108,7 @@ def foreign_checkpoint_hint(location: Location) -> str | None:
     if kind is None:
         return None
     return (f"not a zeroshard checkpoint but {kind[0]}: convert it first with "
-            f"`zeroshard import {kind[1]} {location.url} OUT`, then use OUT")
+            f"`zeroshard import {kind[1]} {kind[2]} OUT`, then use OUT")
 
 
 def _refuse_link(location: Location, name: str) -> None:

@@ -41,4 +41,4 @@ def _pickle_hint(where: str) -> str | None:
 
 def _checkpoint_hint(where: str, storage_options: dict | None) -> str | None:
     kind = foreign_checkpoint_kind(Location(where, storage_options))
-    return f"it looks like {kind[0]}: convert it with `zeroshard import {kind[1]} {where} OUT`" if kind else None
+    return f"it looks like {kind[0]}: convert it with `zeroshard import {kind[1]} {kind[2]} OUT`" if kind else None
