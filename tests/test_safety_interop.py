@@ -29,7 +29,7 @@ from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.storage import Location
 from zeroshard.storage.claim import take_claim
 
-from interop_model import make_model
+from interop_model import make_model, make_optimizer
 from test_bad_input import _cli_with_file_size_limit
 
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
@@ -815,7 +815,7 @@ def test_dcp_truncated_data_file_is_refused(tmp_path):
     _refused_dcp(src, tmp_path, "__0_0.distcp", "past its end")
 
 
-@pytest.mark.parametrize("case", ["hostile", "not-a-dict", "key-not-a-name", "per-rank-shards"])
+@pytest.mark.parametrize("case", ["hostile", "not-a-dict", "key-not-a-name", "per-rank-shards", "optimizer-by-index"])
 def test_accelerate_full_state_dict_pickles_hostile_or_odd_are_one_line(tmp_path, case):
     """Accelerate's FULL_STATE_DICT save_state (pytorch_model_fsdp.bin + optimizer.bin) is read
     through the allowlist: a callable in it runs nothing; odd contents are one line naming the file."""
@@ -824,7 +824,13 @@ def test_accelerate_full_state_dict_pickles_hostile_or_odd_are_one_line(tmp_path
     side = tmp_path / "pwned"
     model = make_model(0).state_dict()
     content = {"hostile": {"emb.weight": _evil(side)}, "not-a-dict": [1, 2], "key-not-a-name": {3: torch.ones(2)},
-               "per-rank-shards": None}[case]
+               "per-rank-shards": None, "optimizer-by-index": None}[case]
+    if case == "optimizer-by-index":  # torch's own optimizer.state_dict() where FSDP's by-name one belongs
+        torch.save(model, src / "pytorch_model_fsdp.bin")
+        opt = make_optimizer(make_model(0).parameters())
+        torch.save(opt.state_dict() | {"state": {0: {"step": torch.tensor(1.0)}}}, src / "optimizer.bin")
+        _refused_dcp(src, tmp_path, "optimizer.bin", "by parameter index")
+        return
     if case == "per-rank-shards":  # SHARDED_STATE_DICT with use_dcp=False: per-rank pickles of DTensors
         torch.save(model, src / "pytorch_model_fsdp_0_rank0.bin")
         _refused_dcp(src, tmp_path, "pytorch_model_fsdp_0_rank0.bin", "use_dcp=False")

@@ -37,8 +37,13 @@ class PickledSource:
         if head == "model":
             for name, value in loaded.items():
                 self._put(path, (head, _name(path, name)), value)
-        else:
-            self._flatten(path, (head,), loaded)
+            return
+        state = loaded.get("state")
+        if isinstance(state, dict) and any(isinstance(k, int) for k in state):  # optimizer.state_dict()
+            raise CheckpointError(path, "keys the optimizer state by parameter index (torch's "
+                                        "optimizer.state_dict()), not by name as FSDP's full optimizer state "
+                                        "dict does: it cannot be matched to the parameters")
+        self._flatten(path, (head,), loaded)
 
     def _flatten(self, path: str, prefix: tuple, value: Any) -> None:
         if isinstance(value, dict):
