@@ -559,6 +559,9 @@ def test_hf_trainer_rng_streams_come_back_at_the_same_world_size(tmp_path):
     out = tmp_path / "imported"
     output = _import(FIXTURES / "hf_trainer", out)
     assert "RNG streams of the 2 ranks read (rng_state_0.pth, ...)" in output, output
+    shown = CliRunner().invoke(main, ["inspect", str(out)]).output  # what an import carried, later too
+    assert "state        lr_scheduler, per-rank state of 2 rank(s)" in shown, shown
+    assert "imported     from deepspeed:" in shown and "  note: RNG streams of the 2 ranks read" in shown, shown
     got = run_ranks(_draws_after_load, 2, path=str(out), init_process_group=False)
     for rank in range(2):  # the Trainer's own file, read in full (a trusted fixture), set as its resume does
         saved = torch.load(FIXTURES / "hf_trainer" / "checkpoint-3" / f"rng_state_{rank}.pth", weights_only=False)

@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
+from zeroshard.format.training_state import RANK_STATE_PREFIX, global_stateful_keys
 
 
 def inspect_checkpoint(ckpt: str | OpenedCheckpoint, *, storage_options: dict | None = None) -> dict[str, Any]:
@@ -48,6 +49,10 @@ def inspect_checkpoint(ckpt: str | OpenedCheckpoint, *, storage_options: dict | 
         "optimizer": optimizer,
         "aliases": m.aliases,
         "client_state_keys": sorted(m.client_state) if isinstance(m.client_state, dict) else [],
+        "stateful": global_stateful_keys(m.extra),  # what load_checkpoint(lr_scheduler=...) etc. restore
+        "per_rank_state": sum(1 for n in m.tensors if n.startswith(RANK_STATE_PREFIX)),
+        "imported_from": m.extra.get("source") if isinstance(m.extra.get("source"), str) else None,
+        "import_notes": [n for n in m.extra.get("import_notes") or [] if isinstance(n, str)],
     }
 
 
@@ -81,6 +86,12 @@ def format_summary(info: dict[str, Any]) -> str:
                      f"state: {', '.join(o['states']) or '-'}")
     if info["aliases"]:
         lines.append("tied         " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
+    per_rank = [f"per-rank state of {info['per_rank_state']} rank(s)"] if info["per_rank_state"] else []
+    if info["stateful"] or per_rank:
+        lines.append("state        " + ", ".join(info["stateful"] + per_rank))
+    if info["imported_from"]:
+        lines.append(f"imported     from {info['imported_from']}")
+        lines.extend(f"  note: {note}" for note in info["import_notes"])
     sizes = [f["bytes"] for f in info["files"]]
     lines.append(f"files        {len(sizes)} rank files, {_human(info['total_bytes'])} in all, "
                  f"{_human(min(sizes))} .. {_human(max(sizes))} per rank")
