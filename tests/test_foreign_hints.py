@@ -77,3 +77,19 @@ def test_an_import_that_fails_is_not_told_to_run_an_import(tmp_path: Path):
     assert result.exit_code != 0 and "optimizer files" in result.output, result.output
     assert "convert it with" not in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_ls_names_foreign_checkpoints_and_their_import(tmp_path: Path):
+    """`zeroshard ls` of a folder of DeepSpeed saves, an Accelerate save_state and an HF Trainer
+    run: each is FOREIGN with the import command to run, not "not a checkpoint"."""
+    for name in ("stage1", "accelerate", "hf_trainer"):
+        shutil.copytree(DEEPSPEED.parent / name, tmp_path / "runs" / name)
+    (tmp_path / "runs" / "notes").mkdir()
+    result = CliRunner().invoke(main, ["ls", str(tmp_path / "runs")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    runs = tmp_path / "runs"
+    for name, source in (("stage1", runs / "stage1"), ("accelerate", runs / "accelerate"),
+                         ("hf_trainer", runs / "hf_trainer" / "checkpoint-3")):
+        line = next(line for line in result.output.splitlines() if line.strip().startswith(name))
+        assert "FOREIGN: " in line and f"`zeroshard import deepspeed {source} OUT`" in line, line
+    assert "notes                    OTHER: not a checkpoint" in result.output, result.output

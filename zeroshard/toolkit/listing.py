@@ -7,7 +7,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
-from zeroshard.format.folder import MAX_LATEST_BYTES, load_manifest
+from zeroshard.format.folder import MAX_LATEST_BYTES, foreign_checkpoint_kind, load_manifest
 from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, is_rank_file_name
 from zeroshard.storage.claim import CLAIM_NAME, is_torn, read_claim, silent_for, writer_alive
 from zeroshard.storage.location import TEMP_PREFIX, Location
@@ -90,6 +90,9 @@ def _describe(folder: Location, name: str) -> dict[str, Any]:
     if ranks or any(n.startswith(TEMP_PREFIX) for n in names):
         return {"name": name, "status": "incomplete",
                 "problem": f"{len(ranks)} rank file(s) but no {MANIFEST_NAME}: the save never committed"}
+    kind = foreign_checkpoint_kind(folder)
+    if kind is not None:  # what a user coming from DeepSpeed or FSDP lists first
+        return {"name": name, "status": "foreign", "problem": f"{kind[0]}: `zeroshard import {kind[1]} {kind[2]} OUT`"}
     return {"name": name, "status": "other", "problem": "not a checkpoint"}
 
 
