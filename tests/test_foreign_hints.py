@@ -36,9 +36,9 @@ def _dcp_folder(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("which", ["deepspeed root", "deepspeed tag", "dcp", "accelerate", "trainer run",
                                    "accelerate full state"])
 def test_a_foreign_folder_gets_the_import_command_to_run(tmp_path: Path, command: tuple[str, ...], which: str):
-    """The command named is the one that carries the most: a root holding `latest` (Accelerate's
-    save_state, whose tag folder is `pytorch_model/`), not the tag folder inside it, whose
-    scheduler and RNG files would stay behind; a Trainer run folder's newest checkpoint-N."""
+    """The command names the folder given: a root holding `latest` (Accelerate's save_state, whose
+    tag folder is `pytorch_model/`) rather than the tag folder inside it; for a Trainer run folder
+    (which import refuses when it holds several) its newest checkpoint-N."""
     target = None
     if which == "dcp":
         src, kind = _dcp_folder(tmp_path), "dcp"
