@@ -19,11 +19,12 @@ extra.stateful.lr_scheduler), `rng/rank-{r:05d}/{cpu|cuda}` tensors with extra.r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from zeroshard.errors import ArgumentTypeError
 
 RANK_STATE_PREFIX = "rank-state/"
+LEGACY_RNG_PREFIX = "rng/"
 ENGINE_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")  # extra.engine, in Counters' order
 
 
@@ -37,7 +38,13 @@ def rank_state_key(rank: int) -> str:
 
 def legacy_rng_key(rank: int, device: str) -> str:
     """Checkpoints written before rank-state blobs kept torch RNG states under these names."""
-    return f"rng/rank-{rank:05d}/{device}"
+    return f"{LEGACY_RNG_PREFIX}rank-{rank:05d}/{device}"
+
+
+def ranks_with_rank_state(names: Iterable[str]) -> int:
+    """How many ranks saved per-rank state, among a manifest's tensor `names` (rank-state blobs,
+    or an older checkpoint's RNG tensors)."""
+    return len({n.split("/")[1] for n in names if n.startswith((RANK_STATE_PREFIX, LEGACY_RNG_PREFIX))})
 
 
 def global_stateful_keys(extra: dict[str, Any]) -> list[str]:

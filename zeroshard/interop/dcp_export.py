@@ -30,13 +30,12 @@ from typing import Any
 from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.format import CheckpointReader, open_checkpoint
 from zeroshard.format.output import output_transaction, prepare_output
-from zeroshard.format.training_state import RANK_STATE_PREFIX, global_stateful, global_stateful_keys
+from zeroshard.format.training_state import global_stateful, global_stateful_keys, ranks_with_rank_state
 from zeroshard.storage.location import Location, describe_error
 
 DCP_COMMIT_FILE = ".metadata"
 TENSOR_KEYS = ("model", "optim")
 CLIENT_STATE_KEY = "client_state"
-LEGACY_RNG_PREFIX = "rng/"  # rng/rank-{r:05d}/{device}: checkpoints from before rank-state blobs
 
 
 def _scalar(entry: dict[str, Any]) -> Any:
@@ -73,25 +72,29 @@ def export_state_dict(ckpt: str, storage_options: dict | None = None) -> dict[st
         groups.append(g)
     if not groups and state:
         groups = [{"params": list(state)}]
-    exported: dict[str, Any] = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    optim = {"state": state, "param_groups": groups}
+    return {"model": model, "optim": optim, **_also_exported(manifest, location.url)}
+
+
+def _also_exported(manifest: Any, where: str) -> dict[str, Any]:
+    """What the export writes beside the model and optimizer: each global Stateful state under its
+    key, the client state under CLIENT_STATE_KEY."""
+    beside = {}
     for key in global_stateful_keys(manifest.extra):
         if key in (*TENSOR_KEYS, CLIENT_STATE_KEY):
-            raise CheckpointError(location.url, f"a Stateful state saved as {key!r} would take the DCP key the "
-                                                "export writes the model, optimizer or client state under")
-        exported[key] = global_stateful(manifest.extra, key)
+            raise CheckpointError(where, f"a Stateful state saved as {key!r} would take the DCP key the "
+                                         "export writes the model, optimizer or client state under")
+        beside[key] = global_stateful(manifest.extra, key)
     if manifest.client_state not in (None, {}):
-        exported[CLIENT_STATE_KEY] = manifest.client_state
-    return exported
+        beside[CLIENT_STATE_KEY] = manifest.client_state
+    return beside
 
 
 def export_extras(ckpt: str, storage_options: dict | None = None) -> tuple[list[str], int]:
     """What an export of `ckpt` writes beside the model and optimizer (the DCP keys), and how many
     ranks saved per-rank state (RNG streams) that it leaves out."""
-    _, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
-    client = [CLIENT_STATE_KEY] if manifest.client_state not in (None, {}) else []
-    keys = global_stateful_keys(manifest.extra) + client
-    ranks = {name.split("/")[1] for name in manifest.tensors if name.startswith((RANK_STATE_PREFIX, LEGACY_RNG_PREFIX))}
-    return keys, len(ranks)
+    location, manifest = open_checkpoint(os.fspath(ckpt), storage_options)
+    return list(_also_exported(manifest, location.url)), ranks_with_rank_state(manifest.tensors)
 
 
 def _first_failure(exc: Any) -> str:

@@ -191,7 +191,9 @@ def carry_frozen(imp: Imported, model_path: str, model: dict, fragments: dict[st
     Carried as parameters without optimizer state, as the engine saves its own frozen ones."""
     module = model.get("module") or {}
     declared = model.get("frozen_param_shapes")
-    if declared is None:  # stage 1 (DeepSpeed records frozen parameters from stage 2 on)
+    # stage 1 (DeepSpeed records frozen parameters from stage 2 on), or saved with
+    # exclude_frozen_parameters (then only tied copies of frozen ones can be here: _note_frozen_excluded)
+    if declared is None:
         ties, buffers = set(model.get("shared_params") or {}), set(model["buffer_names"])
         declared = {k: tuple(v.shape) for k, v in module.items()  # (stage 3's empty placeholders: never)
                     if k not in imp.params and k not in buffers and k not in ties and is_tensor(v)

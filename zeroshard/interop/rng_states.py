@@ -12,13 +12,11 @@ is named in a note and the streams stay the engine's own; a callable in one neve
 
 from __future__ import annotations
 
-import io
 import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.interop import files
-from zeroshard.interop.torch_pickle import STAND_INS, first_line
+from zeroshard.interop.torch_pickle import load_pt
 
 TRAINER_RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")  # rng_state.pth: a single process
 ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
@@ -41,15 +39,13 @@ def read_rng_state(path: str, folder: str) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    raw = files.read_inside(path, folder, MAX_RNG_BYTES, "an RNG state file")
-    numpy_globals = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # NumPy 2 pickles the dtype's class
     reconstruct = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
-    numpy_globals.append(reconstruct._reconstruct)
+    # NumPy 2 pickles the dtype's class too
+    numpy_globals = (np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct._reconstruct)
     try:
-        with torch.serialization.safe_globals([*STAND_INS, *numpy_globals]):
-            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # refused (a global outside the allowlist) or unreadable: one line
-        raise CheckpointError(path, f"not read: {first_line(exc)}") from None
+        saved = load_pt(path, folder, MAX_RNG_BYTES, allow=numpy_globals)
+    except CheckpointError as exc:  # refused (a global outside the allowlist) or unreadable: one line
+        raise CheckpointError(path, f"not read: {exc.problem}") from None
     if not isinstance(saved, dict):
         raise CheckpointError(path, f"holds a {type(saved).__name__}, not a dict of RNG states")
     trainer = "cpu" in saved

@@ -73,17 +73,18 @@ def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
     return deepest
 
 
-def load_pt(path: str, folder: str | None = None, limit: int | None = None) -> Any:
+def load_pt(path: str, folder: str | None = None, limit: int | None = None, allow: tuple = ()) -> Any:
     """The object in the torch pickle at `path` (CPU tensors); CheckpointError if it names
     anything outside the allowlist or cannot be read. `folder`: the checkpoint folder `path`
-    must stay inside (default: its own folder); `limit`: the most bytes it may have."""
+    must stay inside (default: its own folder); `limit`: the most bytes it may have; `allow`:
+    more globals this one file may name (rng_states.py: NumPy's, to rebuild a uint32 array)."""
     import pickle
 
     import torch
 
     raw = files.read_inside(path, folder or files.parent(path), limit)  # torch's legacy format: read whole anyway
     try:
-        with torch.serialization.safe_globals(STAND_INS):
+        with torch.serialization.safe_globals([*STAND_INS, *allow]):
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(path, f"refused to unpickle: {first_line(exc)}") from None

@@ -1,9 +1,9 @@
 """One writer per output: a claim file created atomically before anything is written.
 
 Locally the claim is created with O_CREAT|O_EXCL; on S3 with a conditional PUT
-(If-None-Match: *), which S3 (since 2024) and moto honour: of two writers, exactly one creates it and the other
-is refused before it writes a byte. The claim names its owner (host id and pid) so that a claim
-left by a killed process on this host is taken over on the next run. Another host's processes
+(If-None-Match: *), which S3 (since 2024) and moto honour: of two writers, exactly one creates
+it and the other is refused before it writes a byte. The claim names its owner (host id and
+pid) so that a claim left by a killed process on this host is taken over on the next run. Another host's processes
 cannot be seen, so while its writer runs a heartbeat thread rewrites the claim's `beat` time
 every HEARTBEAT_S: a claim silent for SILENT_CLAIM_S is taken over (its writer's process is
 gone; on this host, its pid was reused), one still beating never is, however long the write. A

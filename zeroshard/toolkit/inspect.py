@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
-from zeroshard.format.training_state import RANK_STATE_PREFIX, global_stateful_keys
+from zeroshard.format.training_state import global_stateful_keys, ranks_with_rank_state
 
 
 def inspect_checkpoint(ckpt: str | OpenedCheckpoint, *, storage_options: dict | None = None) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def inspect_checkpoint(ckpt: str | OpenedCheckpoint, *, storage_options: dict | 
         "aliases": m.aliases,
         "client_state_keys": sorted(m.client_state) if isinstance(m.client_state, dict) else [],
         "stateful": global_stateful_keys(m.extra),  # what load_checkpoint(lr_scheduler=...) etc. restore
-        "per_rank_state": sum(1 for n in m.tensors if n.startswith(RANK_STATE_PREFIX)),
+        "per_rank_state": ranks_with_rank_state(m.tensors),
         "imported_from": m.extra.get("source") if isinstance(m.extra.get("source"), str) else None,
         "import_notes": [n for n in m.extra.get("import_notes") or [] if isinstance(n, str)],
     }
