@@ -26,6 +26,7 @@ from zeroshard.interop.deepspeed_ckpt import read_deepspeed
 from distributed import run_ranks
 from interop_model import (
     BETAS,
+    FP16,
     FROZEN,
     LR,
     MICRO_BATCH,
@@ -48,7 +49,7 @@ def _import(src: Path, out: Path, *extra: str) -> str:
 
 
 def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False,
-            frozen: tuple[str, ...] = (), scheduler_steps: int = 0) -> dict:
+            frozen: tuple[str, ...] = (), scheduler_steps: int = 0, fp16: dict | None = None) -> dict:
     """Resume `path` and train `steps`; with `scheduler_steps`, a LambdaLR(warmup) restored from the
     checkpoint is stepped that many times after each step (as Accelerate stepped it)."""
     import zeroshard
@@ -56,7 +57,7 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
     engine = zeroshard.initialize(model=make_model(1, frozen), optimizer=make_optimizer,
                                   config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH,
-                                          "bf16": {"enabled": bf16}})
+                                          "bf16": {"enabled": bf16}, "fp16": fp16 or {"enabled": False}})
     # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup) if scheduler_steps else None
     client = engine.load_checkpoint(path, lr_scheduler=scheduler)
@@ -68,10 +69,11 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
         engine.step()
         for _ in range(scheduler_steps):
             scheduler.step()
-        mean = loss.detach().clone()
+        mean = loss.detach().float()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    return {"losses": losses, "client": client, "global_steps": engine.global_steps}
+    return {"losses": losses, "client": client, "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps, "loss_scale": engine.loss_scale}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -133,6 +135,24 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
         assert got["losses"] == pytest.approx(expected["losses_after"], rel=1e-5), (got["losses"], expected)
         return
     assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
+
+
+def test_fp16_loss_scaling_resumes_where_deepspeed_left_it(tmp_path):
+    """fp16 with DeepSpeed's dynamic loss scaling (interop_model.FP16): DeepSpeed grows the scale
+    at the first step after the save and skips the next two (overflows). The import carries the
+    scale, the hysteresis left and the good steps since the last overflow, so the resume skips the
+    same steps and ends at the same scale; its losses equal DeepSpeed's to fp16's resolution (the
+    fp32 step differs in last bits, which can round one fp16 value differently)."""
+    expected = json.loads((FIXTURES / "fp16" / "expected.json").read_text())
+    out = tmp_path / "imported"
+    _import(FIXTURES / "fp16", out)
+    _, manifest = open_checkpoint(str(out))
+    assert manifest.extra["engine"]["loss_scaler"] == {"scale": 2.0 ** 15, "good_steps": 3, "hysteresis_left": 2}
+    got = run_ranks(_resume, 2, path=str(out), stage=2, steps=[3, 4, 5], fp16=FP16, init_process_group=False)[0]
+    assert got["skipped_steps"] == expected["skipped_steps"] == 2
+    assert got["loss_scale"] == expected["loss_scale"]
+    # a resume that restarted the window applied step 4 and took 4.498 at step 5, not 4.611
+    assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-3), (got["losses"], expected)
 
 
 def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):

@@ -33,7 +33,8 @@ sample, so each rank's batches are known); hf_trainer_lora (the same Trainer on 
 wrapped by PEFT's LoRA on `fc`: the Trainer saves a PEFT model with DeepSpeed's
 `exclude_frozen_parameters=True`, so only the adapters, and tied copies, are in DeepSpeed's files;
 both runs build the base from seed 0, as from one pretrained checkpoint, the resume's adapters
-from seed 1); hf_trainer_lora_stage3 (the same at ZeRO 3).
+from seed 1); hf_trainer_lora_stage3 (the same at ZeRO 3); fp16 (stage 2, fp16 with DeepSpeed's
+dynamic loss scaling set by interop_model.FP16 so that it grows and overflows around the save).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from interop_model import (  # noqa: E402
     BETAS,
+    FP16,
     FROZEN,
     LR,
     MICRO_BATCH,
@@ -74,6 +76,7 @@ VARIANTS = {
     "offload": {"stage": 2, "offload": True},
     "bf16": {"stage": 1, "bf16": True},
     "bf16_stage2": {"stage": 2, "bf16": True},
+    "fp16": {"stage": 2, "fp16": True},
     "hf": {"stage": 2, "hf": True},
     "universal": {"stage": 2, "universal": True},
     "universal_stage3": {"stage": 3, "universal": True},
@@ -105,6 +108,8 @@ def ds_config(variant: dict, resume: bool = False) -> dict:
         config["bf16"] = {"enabled": True}
         if variant["stage"] == 1:  # bf16 params + fp32 accumulation at stage 1 selects BF16_Optimizer
             config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if variant.get("fp16"):  # dynamic loss scaling that overflows, skips and grows within a few steps
+        config["fp16"] = FP16
     if variant.get("universal") and resume:
         config["checkpoint"] = {"load_universal": True}
     return config
@@ -135,6 +140,8 @@ def _engine(variant: dict, seed: int, resume: bool = False):
         return engine
     if variant.get("bf16"):  # DeepSpeed casts parameters, not buffers: the fp32 `scale` would promote h
         model.bfloat16()
+    if variant.get("fp16"):
+        model.half()
     if variant.get("offload"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(variant, resume))
@@ -246,6 +253,8 @@ def _rank(rank: int, port: int, name: str, phase: str, out: str) -> None:
                         "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
                         **json.loads(progress.read_text()), "losses_resumed": resumed,
                         "client_state": {k: client[k] for k in ("epoch", "note") if k in (client or {})}}
+            if variant.get("fp16"):  # what the resume's loss scaling did: steps skipped, the scale at the end
+                expected.update(skipped_steps=fresh.skipped_steps, loss_scale=fresh.optimizer.loss_scaler.cur_scale)
             if variant.get("scheduler"):  # how the resume must step the LambdaLR to follow Accelerate's
                 expected["scheduler_steps_per_step"] = expected.pop("scheduler_last_epoch") // STEPS_BEFORE
             Path(out, "expected.json").write_text(json.dumps(expected, indent=1) + "\n")

@@ -50,25 +50,27 @@ class LossScaler:
         self.hysteresis = cfg.hysteresis
         self.consecutive_hysteresis = cfg.consecutive_hysteresis
         self.hysteresis_left = cfg.hysteresis
-        self.good_steps = 0  # steps since the last overflow (or growth)
+        self.good_steps = 0  # steps without an overflow since the last one (or the start)
 
     def update(self, overflow: bool) -> None:
-        """Adjust the scale after a step attempt."""
+        """Adjust the scale after a step attempt, as DeepSpeed's DynamicLossScaler.update_scale."""
         if not self.dynamic:
             return
         if overflow:
             self.good_steps = 0
-            if self.hysteresis_left <= 1 or self.scale <= self.min_scale:
+            if self.hysteresis_left <= 1:
                 self.scale = max(self.scale / 2, self.min_scale)
             else:
                 self.hysteresis_left -= 1
             return
-        self.good_steps += 1
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        if self.good_steps % self.window == 0:
+        # DeepSpeed grows at a good step once a positive multiple of the window of good steps
+        # came before it (its `stable_interval`), not at the window-th good step itself
+        if self.good_steps > 0 and self.good_steps % self.window == 0:
             self.hysteresis_left = self.hysteresis
             self.scale *= 2
+        self.good_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left}

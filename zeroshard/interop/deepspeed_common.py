@@ -94,6 +94,20 @@ def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str
     return model, groups_shapes, ds_config
 
 
+def loss_scale_of(scaler: Any) -> dict[str, Any]:
+    """DeepSpeed's (Dynamic)LossScaler as the engine's loss-scaler state (engine/precision.py
+    follows its rules): saved after iteration cur_iter - 1, the good steps since its last
+    overflow are cur_iter - last_overflow_iter - 1. (A count of 0 restarted the window: up to a
+    window of steps at too small a scale, and steps DeepSpeed would skip applied.)"""
+    def whole(name: str, default: int) -> int:
+        value = getattr(scaler, name, default)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+    good = whole("cur_iter", 0) - whole("last_overflow_iter", -1) - 1
+    return {"scale": float(scaler.cur_scale), "good_steps": max(good, 0),
+            "hysteresis_left": whole("cur_hysteresis", 0)}
+
+
 def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, groups_shapes: list[dict],
                     ds_config: dict, param_groups: Any, loss_scaler: Any,
                     frozen_fragments: dict[str, Any] | None = None) -> None:
@@ -142,8 +156,7 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     elif (ds_config.get("fp16") or {}).get("enabled"):
         imp.compute_dtype = "F16"
     if loss_scaler is not None and getattr(loss_scaler, "cur_scale", None) is not None:
-        imp.loss_scale = {"scale": float(loss_scaler.cur_scale), "good_steps": 0,
-                          "hysteresis_left": int(getattr(loss_scaler, "cur_hysteresis", 0) or 0)}
+        imp.loss_scale = loss_scale_of(loss_scaler)
     try:
         scheduler = to_json_value(model.get("lr_scheduler"), "lr_scheduler")
     except TypeError:
