@@ -53,6 +53,14 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
 
+def two_groups(model: torch.nn.Module) -> list[dict]:
+    """Param groups as Hugging Face's Trainer makes them: weight decay on the matrices only (the
+    embedding and fc.weight), none on LayerNorm and biases."""
+    decay = [p for n, p in model.named_parameters() if n in ("emb.weight", "fc.weight")]
+    rest = [p for n, p in model.named_parameters() if n not in ("emb.weight", "fc.weight")]
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+
+
 def warmup(step: int) -> float:
     """The LR factor of the scheduler fixtures' torch LambdaLR (transformers' warmup schedules are
     LambdaLRs too): still rising when the fixtures save, so a schedule restarted from 0 shows."""

@@ -34,7 +34,10 @@ wrapped by PEFT's LoRA on `fc`: the Trainer saves a PEFT model with DeepSpeed's
 `exclude_frozen_parameters=True`, so only the adapters, and tied copies, are in DeepSpeed's files;
 both runs build the base from seed 0, as from one pretrained checkpoint, the resume's adapters
 from seed 1); hf_trainer_lora_stage3 (the same at ZeRO 3); fp16 (stage 2, fp16 with DeepSpeed's
-dynamic loss scaling set by interop_model.FP16 so that it grows and overflows around the save).
+dynamic loss scaling set by interop_model.FP16 so that it grows and overflows around the save);
+stage3_subgroups (stage 3 with `sub_group_size` 20 and two param groups, interop_model.two_groups:
+DeepSpeed cuts the first group's partition into two flat groups, so param_shapes lists three);
+universal_stage3_subgroups (that through ds_to_universal).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from interop_model import (  # noqa: E402
     make_model,
     make_optimizer,
     trainer_batch,
+    two_groups,
     warmup,
 )
 
@@ -77,6 +81,8 @@ VARIANTS = {
     "bf16": {"stage": 1, "bf16": True},
     "bf16_stage2": {"stage": 2, "bf16": True},
     "fp16": {"stage": 2, "fp16": True},
+    "stage3_subgroups": {"stage": 3, "sub_group_size": 20, "groups": True},
+    "universal_stage3_subgroups": {"stage": 3, "sub_group_size": 20, "groups": True, "universal": True},
     "hf": {"stage": 2, "hf": True},
     "universal": {"stage": 2, "universal": True},
     "universal_stage3": {"stage": 3, "universal": True},
@@ -97,6 +103,8 @@ TRAINER_SCHEDULE = {"name": "linear", "num_warmup_steps": 4, "num_training_steps
 
 def ds_config(variant: dict, resume: bool = False) -> dict:
     zero: dict = {"stage": variant["stage"]}
+    if variant.get("sub_group_size"):  # stage 3 cuts a param group's partition into flat groups this big
+        zero["sub_group_size"] = variant["sub_group_size"]
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -146,7 +154,8 @@ def _engine(variant: dict, seed: int, resume: bool = False):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(variant, resume))
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
+        params = two_groups(model) if variant.get("groups") else model.parameters()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(params),
                                           config=ds_config(variant, resume))
     return engine
 

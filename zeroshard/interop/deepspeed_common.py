@@ -108,6 +108,26 @@ def loss_scale_of(scaler: Any) -> dict[str, Any]:
             "hysteresis_left": whole("cur_hysteresis", 0)}
 
 
+def group_members(where: str, groups_shapes: list[dict], param_groups: Any) -> list[dict]:
+    """{name: shape} of each optimizer param group. param_shapes lists DeepSpeed's flat groups;
+    at stage 3 a param group is cut into several once its partition exceeds `sub_group_size`, and
+    the optimizer's param group then names its flat groups by index in `params` (stages 1-2 and
+    uncut groups: one each, in order)."""
+    if not param_groups:
+        return groups_shapes
+    if not isinstance(param_groups, (list, tuple)) or not all(isinstance(g, dict) for g in param_groups):
+        raise CheckpointError(where, "the optimizer's param_groups are not a list of dicts")
+    indices = [g.get("params") for g in param_groups]
+    flat = [i for members in indices if isinstance(members, (list, tuple)) for i in members]
+    if all(isinstance(m, (list, tuple)) for m in indices) and all(type(i) is int for i in flat) \
+            and sorted(flat) == list(range(len(groups_shapes))):
+        return [{n: s for i in members for n, s in groups_shapes[i].items()} for members in indices]
+    if len(param_groups) == len(groups_shapes):
+        return groups_shapes
+    raise CheckpointError(where, f"param_shapes list {len(groups_shapes)} flat groups; the optimizer's "
+                                 f"{len(param_groups)} param groups do not say which of them each holds")
+
+
 def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, groups_shapes: list[dict],
                     ds_config: dict, param_groups: Any, loss_scaler: Any,
                     frozen_fragments: dict[str, Any] | None = None) -> None:
@@ -116,8 +136,8 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     over the ranks' files; else from `model`), ties, counters, dtypes, loss scale, scheduler,
     client state."""
     hyper = []
-    for g, shapes in enumerate(groups_shapes):
-        saved = dict((param_groups or [{}] * len(groups_shapes))[g])
+    for g, shapes in enumerate(group_members(model_path, groups_shapes, param_groups)):
+        saved = dict((param_groups or [{}])[g])
         saved.pop("params", None)
         group = {k: to_json_value(v, f"param group option {k!r}") for k, v in saved.items()}
         if group.get("bias_correction") is False:  # DeepSpeed's (CPU/Fused)Adam option; torch's always corrects

@@ -27,6 +27,7 @@ from zeroshard.interop import files, torch_zip
 from zeroshard.interop.deepspeed_common import (
     fill_from_model,
     gather_frozen_stage3,
+    group_members,
     int_field,
     load_model_states,
     optimizer_scalar,
@@ -80,9 +81,7 @@ def read_universal(folder: str) -> Imported:
 
     model_path = _model_path(folder)
     model, groups_shapes, ds_config = load_model_states(model_path, folder)
-    if len(common["param_groups"]) != len(groups_shapes):
-        raise CheckpointError(common_path, f"{len(common['param_groups'])} param groups, the model-states file's "
-                                           f"param_shapes have {len(groups_shapes)}")
+    group_members(common_path, groups_shapes, common["param_groups"])  # each flat group in one param group
     imp = Imported(source=f"deepspeed-universal:{files.absolute(folder)}", params={}, zero_stage=stage,
                    world_size=world)
     shared = _shared_scalars(common_path, common)
