@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from dataclasses import dataclass
 
 from zeroshard.errors import CheckpointError
@@ -50,14 +51,45 @@ def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Loca
         return target, _file_tensors(target, HF_SINGLE_NAME)
     if not target.exists():
         raise CheckpointError(url, "no such file or folder")
+    ranks = sorted(n for n in target.list() if _DCP_RANK_FILE.match(n))
+    if ranks:
+        _file_tensors(target, ranks[0])  # refused there, saying what the files are and what to do
     raise CheckpointError(url, "not a full model: expected a .safetensors file, "
                                f"or a folder with {HF_INDEX_NAME} or {HF_SINGLE_NAME}")
+
+
+# DCP's HuggingFaceStorageWriter records in every file it writes where each tensor's piece sits
+# in the full tensor. With save_distributed=True each rank writes its own pieces to
+# shard-RANK-model-I-of-N.safetensors; a rank-0 save writes full tensors (offsets all 0) to
+# model-I-of-N.safetensors. Only the header's offsets and DCP's file name tell the two apart.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+_DCP_RANK_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
+
+
+def _holds_dcp_pieces(name: str, metadata: dict[str, str]) -> bool:
+    if DCP_SHARDING_KEY not in metadata:
+        return False
+    if _DCP_RANK_FILE.match(name):
+        return True
+    try:
+        info = json.loads(metadata[DCP_SHARDING_KEY])
+        offsets = [o for t in info.values() for o in t.get("saved_offsets", [])]
+    except (ValueError, AttributeError, TypeError):
+        return False  # not DCP's: the data itself is checked as any file's
+    return any(o != 0 for o in offsets)
 
 
 def _file_tensors(folder: Location, name: str) -> list[SourceTensor]:
     size = folder.size(name)
     with folder.open_reader(name, follow_links=True) as reader:  # HF caches link into a blob store
         header = read_header(reader, size)
+    if _holds_dcp_pieces(name, header.metadata):
+        raise CheckpointError(folder.url_of(name), "holds one rank's pieces of DCP-sharded tensors (DCP's "
+                                                   "HuggingFaceStorageWriter(save_distributed=True)), not full "
+                                                   "tensors: name the consolidated files it writes with "
+                                                   "enable_consolidation=True (torchtitan's HF export: the folder "
+                                                   "above `sharded/`), or consolidate these first (torch.distributed"
+                                                   ".checkpoint's consolidate_safetensors_files)")
     entries = sorted(header.entries.items(), key=lambda kv: kv[1].begin)
     return [SourceTensor(n, e.dtype, e.shape, name, e.begin, e.end) for n, e in entries]
 
