@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroshard.agree import agree
+from zeroshard.checkpointing.optimizer_keys import check_saved_keys, saved_keys
 from zeroshard.checkpointing.staging import Staging
 from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restoring, scope_of
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
@@ -138,6 +139,9 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         names = _check_names({i.name: tuple(i.shape) for i in target.params}, parameter_sources(target, manifest),
                              where, strict, warn=target.rank == 0)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
+        if load_optimizer_states:  # a strict=False load too: the first step would fail all the same
+            check_saved_keys(engine.optimizer, target.device, saved_keys(manifest.tensors.values()),
+                             (manifest.optimizer or {}).get("class", ""), where, warn=target.rank == 0)
         if load_optimizer_states and strict and fields.param_groups is None and target.rank == 0:
             _warn_groups_differ(target, manifest, where)
         same_world = manifest.world_size == target.world_size
