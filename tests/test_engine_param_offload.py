@@ -9,9 +9,11 @@ be used. tests/test_engine_gpu.py-style checks of pinned memory need CUDA (skipp
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +67,10 @@ def _zero_file(tier: NvmeTier) -> None:
 
 def train(rank: int, world: int, offload: str | None, opt_offload: bool, nvme: str | None = None,
           bf16: bool = False, ckpt: str | None = None, resume: str | None = None) -> dict[str, Any]:
+    # Every RNG a checkpoint's rank state holds starts alike in each run (make_model seeds torch's):
+    # a rank process runs other tests' code between calls, which may draw from Python's or NumPy's
+    random.seed(rank)
+    np.random.seed(rank)
     model = make_model(layers=3)
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
                                   _config(offload, opt_offload, nvme, bf16))
@@ -152,11 +158,16 @@ def test_checkpoints_of_offloaded_runs_load_at_another_world_size(tmp_path: Path
     saved = run_ranks(train, 2, timeout=240, offload="nvme", opt_offload=True, nvme=str(nvme), ckpt=ckpt)[0]
     reference = run_ranks(train, 2, timeout=240, offload=None, opt_offload=False, ckpt=ckpt + "-plain")[0]
     assert saved["full"].keys() == reference["full"].keys()
+    # the same training first (so a difference below is the checkpoint's, not the steps')
+    for a, b in zip(saved["losses"], reference["losses"]):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7), (saved["losses"], reference["losses"])
+    for k, v in reference["full"].items():
+        torch.testing.assert_close(saved["full"][k], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
     # The same format: the same tensors (weights and optimizer state) under the same names.
     got, want = read_checkpoint(ckpt), read_checkpoint(ckpt + "-plain")
     assert got.keys() == want.keys() and any("exp_avg" in k for k in got)
     for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
     # Resumed at world 3: offloaded to the host, to NVMe, or not at all; all continue alike.
     plain = run_ranks(train, 3, timeout=240, offload=None, opt_offload=False, resume=ckpt)[0]
     cpu = run_ranks(train, 3, timeout=240, offload="cpu", opt_offload=False, resume=ckpt)[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import re
 import subprocess
 import sys
@@ -242,9 +243,13 @@ def test_a_fault_that_passes_within_the_budget_is_retried_and_the_output_commits
         return None
 
     proxy.rule = rule
+    stream = random.getstate()
     result = CliRunner().invoke(main, reshard_over(ckpt, out, *via(proxy, 10.0)))
     assert result.exit_code == 0, result.output
     assert len(faults) == 4  # the faults did happen, and were retried past
+    # the retries' jitter has its own generator: a training's `random` stream (saved in its
+    # checkpoints, restored on resume) is not moved by them
+    assert random.getstate() == stream
     assert pending(s3_client, bucket) == []
     keys = objects(s3_client, bucket, "out/")
     assert sorted(keys) == ["out/rank-00000-of-00003.safetensors", "out/rank-00001-of-00003.safetensors",

@@ -29,6 +29,9 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 5.0  # s3fs's defaults, lowered to the budget when it is smaller
 READ_TIMEOUT_S = 15.0
 SLOWEST_UPLOAD_BPS = 1024 * 1024  # a request body sent slower than this (after retry_s of grace) has stalled
+# the retry jitter's own generator: a retry must not move the training's global `random` stream,
+# which checkpoints save and resumes restore
+_JITTER = random.Random()
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
                 "InternalError", "ServiceUnavailable", "XAmzContentSHA256Mismatch"}
 
@@ -143,7 +146,7 @@ class BoundedS3FileSystem(S3FileSystem):
                     self.unreachable = True
                     raise _BudgetSpent(now - first_failure, self.retry_s, cause) from exc
                 # jitter: the parts of an upload do not all retry in step
-                await asyncio.sleep(min(delay * (0.5 + random.random()), left))
+                await asyncio.sleep(min(delay * (0.5 + _JITTER.random()), left))
                 delay = min(delay * 2, 2.0)
             else:
                 self.unreachable = False
