@@ -136,8 +136,9 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     over the ranks' files; else from `model`), ties, counters, dtypes, loss scale, scheduler,
     client state."""
     hyper = []
-    for g, shapes in enumerate(group_members(model_path, groups_shapes, param_groups)):
-        saved = dict((param_groups or [{}])[g])
+    members = group_members(model_path, groups_shapes, param_groups)
+    for g, shapes in enumerate(members):
+        saved = dict((param_groups or [{}] * len(members))[g])
         saved.pop("params", None)
         group = {k: to_json_value(v, f"param group option {k!r}") for k, v in saved.items()}
         if group.get("bias_correction") is False:  # DeepSpeed's (CPU/Fused)Adam option; torch's always corrects
