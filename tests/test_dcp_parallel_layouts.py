@@ -67,6 +67,14 @@ def _full(value) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
+def _full_state(msd: dict, osd: dict) -> dict[str, torch.Tensor]:
+    """Weights and per-element optimizer state in full, under open_tensors' names."""
+    full = {name: _full(v).clone() for name, v in msd.items()}
+    full.update({f"optimizer/{k}/{name}": _full(v).clone() for name, state in osd["state"].items()
+                 for k, v in state.items() if v.dim() > 0})
+    return full
+
+
 def _save_parallel(rank: int, world_size: int, out: str) -> dict:
     """Two AdamW steps, then dcp.save of {"model", "optim"}; the full tensors and the placements."""
     import torch.distributed.checkpoint as dcp
@@ -82,11 +90,8 @@ def _save_parallel(rank: int, world_size: int, out: str) -> dict:
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
-    full = {name: _full(v).clone() for name, v in msd.items()}
-    full.update({f"optimizer/{k}/{name}": _full(v).clone() for name, state in osd["state"].items()
-                 for k, v in state.items() if v.dim() > 0})
     placements = {name: repr(getattr(v, "placements", None)) for name, v in msd.items()}
-    return {"tensors": full, "placements": placements}
+    return {"tensors": _full_state(msd, osd), "placements": placements}
 
 
 def _load_exported(rank: int, world_size: int, path: str) -> dict:
@@ -103,11 +108,7 @@ def _load_exported(rank: int, world_size: int, path: str) -> dict:
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    msd, osd = get_state_dict(model, opt)
-    full = {name: _full(v).clone() for name, v in msd.items()}
-    full.update({f"optimizer/{k}/{name}": _full(v).clone() for name, s in osd["state"].items()
-                 for k, v in s.items() if v.dim() > 0})
-    return full
+    return _full_state(*get_state_dict(model, opt))
 
 
 def _cli(*args: str) -> str:

@@ -283,10 +283,10 @@ class Shuffle(MyLoader):
         return {"position": self.position, "order": torch.arange(5) + self.position}
 
 
-def _small_engine() -> Any:
+def _small_engine(optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adam) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    return zeroshard.initialize(model=model, optimizer=_adam(model), config={"zero_optimization": {"stage": 2}})
+    return zeroshard.initialize(model=model, optimizer=optimizer(model), config={"zero_optimization": {"stage": 2}})
 
 
 def save_loaders(rank: int, world: int, path: str) -> None:
@@ -368,15 +368,9 @@ def test_a_garbage_rank_state_blob_with_fresh_hashes_names_file_tensor_and_rank(
 
 # -- a checkpoint resumed with another optimizer --------------------------------------------------------
 
-OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "adamw": lambda p: torch.optim.AdamW(p),
-              "amsgrad": lambda p: torch.optim.AdamW(p, amsgrad=True)}
-
-
-def _engine_with(kind: str) -> Any:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    return zeroshard.initialize(model=model, optimizer=OPTIMIZERS[kind](model.parameters()),
-                                config={"zero_optimization": {"stage": 2}})
+OPTIMIZERS = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9),
+              "adamw": lambda m: torch.optim.AdamW(m.parameters()),
+              "amsgrad": lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True)}
 
 
 def _one_step(engine: Any) -> None:
@@ -385,7 +379,7 @@ def _one_step(engine: Any) -> None:
 
 
 def save_with(rank: int, world: int, path: str, kind: str) -> None:
-    engine = _engine_with(kind)
+    engine = _small_engine(OPTIMIZERS[kind])
     _one_step(engine)
     engine.save_checkpoint(path, tag=kind)
 
@@ -393,7 +387,7 @@ def save_with(rank: int, world: int, path: str, kind: str) -> None:
 def resume_with(rank: int, world: int, path: str, kind: str, load_optimizer_states: bool) -> dict[str, Any]:
     import warnings
 
-    engine = _engine_with(kind)
+    engine = _small_engine(OPTIMIZERS[kind])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         error = _catch(lambda: engine.load_checkpoint(path, load_optimizer_states=load_optimizer_states))
