@@ -92,6 +92,18 @@ def test_diff_compares_across_world_sizes_and_exits_by_tolerance(run_root, tmp_p
     assert code == 3 and "ONLY IN A  block.0.tiny" in out
 
 
+def test_diff_of_complex_tensors_sees_the_imaginary_part(tmp_path):
+    from safetensors.torch import save_file
+
+    freqs = torch.polar(torch.ones(3, 2), torch.arange(6.0).reshape(3, 2))
+    for name, value in (("a", freqs), ("b", freqs + 1e-3j)):  # the real parts are equal
+        save_file({"freqs_cis": value}, str(tmp_path / f"{name}.safetensors"))
+        assert cli("shard", str(tmp_path / f"{name}.safetensors"), str(tmp_path / name), "--world", "2")[0] == 0
+    code, out, _ = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    (freqs_cis,) = json.loads(out)["tensors"]
+    assert code == 3 and freqs_cis["max_abs"] == pytest.approx(1e-3, rel=1e-3)
+
+
 def test_load_state_dict_needs_no_process_group(run_root):
     root, data = run_root
     assert not torch.distributed.is_initialized()

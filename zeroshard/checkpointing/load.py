@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroshard.agree import agree
+from zeroshard.checkpointing.load_names import LoadNames, check_names, match_names, model_shapes
 from zeroshard.checkpointing.optimizer_keys import check_saved_keys, saved_keys
 from zeroshard.checkpointing.staging import Staging
 from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restoring, scope_of
@@ -52,72 +53,6 @@ if TYPE_CHECKING:
 ACTION = "the checkpoint load"
 
 
-def _check_names(ours: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], where: str,
-                 strict: bool, warn: bool = False) -> list[str]:
-    """The parameter names to load; raises listing missing, unexpected and mis-shaped names. With
-    strict=False the names on one side only are skipped, said in one warning (`warn`: this rank
-    says it), unless no name at all is shared: then nothing would load, which is never meant."""
-    missing = sorted(set(ours) - set(shapes))
-    unexpected = sorted(set(shapes) - set(ours))
-    mismatched = sorted(f"{n} (checkpoint {list(shapes[n])}, model {list(ours[n])})"
-                        for n in set(ours) & set(shapes) if shapes[n] != ours[n])
-    names = [n for n in ours if n in shapes]
-    problems = []
-    if mismatched:
-        problems.append(f"shape mismatch: {', '.join(mismatched)}")
-    if (strict or not names) and missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
-    if (strict or not names) and unexpected:
-        problems.append(f"not in the model: {_few(unexpected)}")
-    if problems:
-        prefix = _prefix_hint(missing, unexpected)
-        if prefix:
-            hint = f" ({prefix})"
-        elif mismatched or not names:
-            hint = ""
-        else:
-            hint = " (strict=False loads the others and leaves these as they are)"
-        raise CheckpointError(where, "; ".join(problems) + hint)
-    if warn and (missing or unexpected):
-        warnings.warn(f"{where}: strict=False: {len(missing)} model parameter(s) not in the checkpoint keep their "
-                      f"values ({_few(missing) or 'none'}); {len(unexpected)} checkpoint parameter(s) not in the "
-                      f"model were not loaded ({_few(unexpected) or 'none'})", stacklevel=4)
-    return names
-
-
-def _few(names: list[str], shown: int = 8) -> str:
-    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
-
-
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
-    """When the two sides' names differ only by a leading prefix (torch.compile's `_orig_mod.`,
-    DDP's `module.`), which one: the usual cause of a checkpoint that 'misses' every parameter."""
-    for longer, shorter, side in ((missing, unexpected, "the model's"), (unexpected, missing, "the checkpoint's")):
-        if not longer or not shorter:
-            continue
-        first = longer[0]
-        prefix = next((first[:-len(n)] for n in shorter if first.endswith("." + n)), None)
-        if prefix and all(n.startswith(prefix) for n in longer) \
-                and sorted(n[len(prefix):] for n in longer) == sorted(shorter):
-            return (f"every one of {side} parameter names starts with {prefix!r} and the other side's do not: "
-                    "a wrapper such as torch.compile or DDP around one model?")
-    return ""
-
-
-def parameter_sources(target: EngineState, manifest: Manifest) -> dict[str, tuple[int, ...]]:
-    """The saved tensors the model's parameters load from, by name: the `param` entries, and a
-    floating `buffer` entry of a frozen parameter's name and shape. An import of a DCP checkpoint
-    cannot tell a frozen parameter (in no optimizer group, as fine-tuning leaves it) from a
-    buffer, and saves it as one; the model can, so it takes the value back as the parameter's."""
-    sources = {n: tuple(t.shape) for n, t in manifest.tensors.items() if t.role == "param"}
-    for info in target.params:
-        entry = manifest.tensors.get(info.name)
-        if (not info.requires_grad and entry is not None and entry.role == "buffer"
-                and torch_dtype(entry.dtype).is_floating_point and tuple(entry.shape) == tuple(info.shape)):
-            sources[info.name] = tuple(entry.shape)
-    return sources
-
-
 UNRESTORED = "is not restored: nothing was given to load it into"
 
 
@@ -136,8 +71,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     try:
         location, manifest = open_checkpoint(path, storage_options)
         where = location.url
-        names = _check_names({i.name: tuple(i.shape) for i in target.params}, parameter_sources(target, manifest),
-                             where, strict, warn=target.rank == 0)
+        names = match_names(target, manifest.tensors, where, strict, warn=target.rank == 0)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
         if load_optimizer_states:  # a strict=False load too: the first step would fail all the same
             check_saved_keys(engine.optimizer, target.device, saved_keys(manifest.tensors.values()),
@@ -213,22 +147,23 @@ def spare_core(world_size: int) -> bool:
     return cores > ranks_here
 
 
-def open_needed_files(reader: CheckpointReader, manifest: Manifest, target: EngineState, names: list[str]) -> None:
+def open_needed_files(reader: CheckpointReader, manifest: Manifest, target: EngineState, names: LoadNames) -> None:
     """Open (and check the header and size of) every file holding this rank's ranges, before a
-    byte is read into the engine."""
+    byte is read into the engine: its parameters' ranges, and every buffer whole (rank 0's file,
+    or all that hold a buffer saved as a parameter)."""
     infos = {info.name: info for info in target.params}
-    ranks = {rank for name in names for rank, _, _ in
+    ranks = {rank for name in names.params for rank, _, _ in
              fragments_of(manifest.tensors[name], manifest.world_size, infos[name].start, infos[name].end)}
-    if any(t.role == "buffer" for t in manifest.tensors.values()):
-        ranks.add(0)
+    ranks |= {rank for name in names.buffers
+              for rank, _, _ in fragments_of(manifest.tensors[name], manifest.world_size)}
     for rank in sorted(ranks):
         reader.open_file(rank)
 
 
-def read_engine_state(target: EngineState, manifest: Manifest, reader: CheckpointReader, names: list[str], *,
+def read_engine_state(target: EngineState, manifest: Manifest, reader: CheckpointReader, names: LoadNames, *,
                       load_optimizer_states: bool) -> EngineState:
-    """This rank's ranges of the parameters `names` of `target` (and the buffers, counters,
-    param groups) read from the checkpoint, as an EngineState for `restore`."""
+    """This rank's ranges of the parameters in `names` of `target`, its buffers in `names` (and
+    the counters, param groups) read from the checkpoint, as an EngineState for `restore`."""
     infos = {info.name: info for info in target.params}
     optimizer_entries: dict[str, list[TensorEntry]] = {}  # by parameter: one pass, not one per parameter
     for entry in manifest.tensors.values():
@@ -238,7 +173,7 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
     options = {name: group.options for group in target.param_groups or () for name in group.params}
     staging = Staging(target.device) if target.device.type == "cuda" else None
     params = []
-    for name in names:
+    for name in names.params:
         info = infos[name]
         fragment = _read_master(reader, manifest.tensors[name], info, staging)
         opt: dict[str, Any] = {}
@@ -250,8 +185,8 @@ def read_engine_state(target: EngineState, manifest: Manifest, reader: Checkpoin
     if staging is not None:
         staging.finish()
     own = {b.name: b for b in target.buffers}
-    buffers = tuple(dataclasses.replace(own[n], tensor=reader.read_flat(e).reshape(e.shape))
-                    for n, e in manifest.tensors.items() if e.role == "buffer" and n in own)
+    buffers = tuple(dataclasses.replace(b, tensor=reader.read_flat(manifest.tensors[b.name]).reshape(b.tensor.shape))
+                    for b in (own[n] for n in names.buffers))
     return dataclasses.replace(target, params=tuple(params), buffers=buffers)
 
 
@@ -435,19 +370,18 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     try:
         folder, tensors = open_full_model(path, storage_options)
         by_name: dict[str, SourceTensor] = {t.name: t for t in tensors}
-        not_params = set(own_buffers) | set(target.aliases)
-        names = _check_names({n: tuple(i.shape) for n, i in infos.items()},
-                             {n: t.shape for n, t in by_name.items() if n not in not_params}, path, strict,
-                             warn=target.rank == 0)
+        # a full model does not say which tensors are buffers: names decide, as in torch's load_state_dict
+        saved = {n: tuple(t.shape) for n, t in by_name.items() if n not in target.aliases}
+        names = check_names(model_shapes(target), saved, path, strict, warn=target.rank == 0)
         for name in names:
-            info = infos[name]
-            fragment = _read_source(folder, readers, by_name[name], info.start, info.end)
-            params.append(dataclasses.replace(info, master=fragment, optimizer_state={}))
-        for name, buf in own_buffers.items():
-            if name in by_name:
-                source = by_name[name]
+            source = by_name[name]
+            if name in infos:
+                info = infos[name]
+                fragment = _read_source(folder, readers, source, info.start, info.end)
+                params.append(dataclasses.replace(info, master=fragment, optimizer_state={}))
+            else:
                 value = _read_source(folder, readers, source, 0, int(np.prod(source.shape))).reshape(source.shape)
-                buffers.append(dataclasses.replace(buf, tensor=value))
+                buffers.append(dataclasses.replace(own_buffers[name], tensor=value))
     except Exception as exc:  # whatever it is, every rank hears of it
         error = _load_error(exc, path, overwritten=False)
     finally:

@@ -309,8 +309,9 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     notes.insert(0, f"{'Accelerate full state dict' if pickled else 'DCP'} layout: {layout.name}")
     if not layout.optimizer_prefix:
         notes.append(f"no optimizer state in the source: {len(imp.params)} floating tensor(s) imported as "
-                     f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); name "
-                     "buffers with --buffers REGEX; the engine's optimizer starts fresh")
+                     f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); the engine "
+                     "loads each into the model's tensor of its name, buffer or parameter (--buffers REGEX records "
+                     "buffers as such); the engine's optimizer starts fresh")
     elif left_as_buffers:
         notes.append(f"floating tensors the optimizer does not hold, imported as buffers: {', '.join(left_as_buffers)} "
                      "(the engine loads any that its model has as a frozen parameter into that parameter)")

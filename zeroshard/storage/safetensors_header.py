@@ -28,6 +28,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "C64": 8, "F8_E8M0": 1,
 }
 
 # torch is imported only when a dtype is converted: the toolkit's byte-copying paths never
@@ -36,6 +37,7 @@ _TORCH_ATTRS = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "C64": "complex64", "F8_E8M0": "float8_e8m0fnu",
 }
 
 

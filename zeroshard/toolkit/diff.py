@@ -80,8 +80,9 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, roles: Iterabl
                     x, y = whole_a[name][start:end], whole_b[name][start:end]
                 else:
                     x, y = ra.read_flat(ta, start, end), rb.read_flat(tb, start, end)
-                if x.is_floating_point():
-                    x, y = x.double(), y.double()
+                if x.is_floating_point() or x.is_complex():  # complex: |x - y| is the distance in the plane
+                    wide = torch.complex128 if x.is_complex() else torch.float64
+                    x, y = x.to(wide), y.to(wide)
                     both_nan = x.isnan() & y.isnan()  # NaN where both have NaN counts as equal (equal_nan)
                     x, y = torch.where(both_nan, 0.0, x), torch.where(both_nan, 0.0, y)
                 else:
