@@ -383,3 +383,27 @@ def test_1_1_rank_file_in_a_1_0_checkpoint(tmp_path):
     assert_one_line_error(code, output, f"{RANK1}: has a fragment hash table", "manifest says format 1.0",
                           exit_code=3)
     assert "is in the file but not in the manifest" not in output, output
+
+
+def test_hf_folder_whose_index_and_files_disagree(tmp_path):
+    """A tensor in a shard file that the index maps elsewhere or not at all would be loaded by
+    transformers: `shard` refuses the folder, naming the file and the tensor, rather than drop it."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    model = odd_model()
+    names = sorted(model)
+    save_file({n: model[n] for n in names[:2]}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({n: model[n] for n in names[2:]}, str(hf / "model-00002-of-00002.safetensors"))
+    weight_map = {n: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    for index, needle in (({k: v for k, v in weight_map.items() if k != names[-1]}, "does not name"),
+                          (dict(weight_map, **{names[-1]: "model-00001-of-00002.safetensors"}), "maps to")):
+        (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        code, output = run_cli("shard", str(hf), str(tmp_path / "out"), "--world", "2")
+        assert_one_line_error(code, output, "model-00002-of-00002.safetensors", repr(names[-1]), needle)
+        assert not (tmp_path / "out").exists()
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    code, output = run_cli("shard", str(hf), str(tmp_path / "out"), "--world", "2")
+    assert code == 0, output

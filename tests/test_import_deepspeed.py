@@ -420,6 +420,19 @@ def test_layouts_with_weights_in_files_not_read_are_refused(tmp_path, extra, kin
     assert not (tmp_path / "out").exists()
 
 
+def test_an_elastic_checkpoint_is_refused_by_name(tmp_path):
+    """DeepSpeed's `elastic_checkpoint` saves optimizer state per param group, padding dropped,
+    not torch's state_dict (tests/data/deepspeed/elastic_stage2, written by DeepSpeed 0.19.8,
+    which cannot resume it with a torch optimizer either): refused naming the option."""
+    assert json.loads((FIXTURES / "elastic_stage2" / "expected.json").read_text())["refused"]
+    result = CliRunner().invoke(main, ["import", "deepspeed", str(FIXTURES / "elastic_stage2"),
+                                       str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in result.output
+    assert "elastic_checkpoint" in result.output and "not supported" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 class Registered:
     """An object a script registers with Accelerate's register_for_checkpointing: plain data."""
 

@@ -108,8 +108,12 @@ def _indexed_tensors(folder: Location) -> list[SourceTensor]:
     out: list[SourceTensor] = []
     for name in files:
         for tensor in _file_tensors(folder, name):
-            if weight_map.get(tensor.name) == name:
-                out.append(tensor)
+            if weight_map.get(tensor.name) != name:  # transformers would load it too: never drop it unsaid
+                mapped = weight_map.get(tensor.name)
+                raise CheckpointError(folder.url_of(name), f"holds {tensor.name!r}, which {HF_INDEX_NAME} "
+                                      + (f"maps to {mapped!r}" if mapped else "does not name")
+                                      + ": the index and its files disagree")
+            out.append(tensor)
     missing = set(weight_map) - {t.name for t in out}
     if missing:
         raise CheckpointError(where, f"{len(missing)} tensors in weight_map are not in their files, "

@@ -178,6 +178,9 @@ def _read(folder: str) -> Imported:
     if stage not in (1, 2, 3):
         raise CheckpointError(optim_paths[0], f"unsupported ZeRO stage {stage} (1, 2 or 3 expected)")
     for path, osd in zip(optim_paths, osds):  # every file, not just rank 0's: a mixed set is refused
+        if stage < 3 and isinstance(osd.get("base_optimizer_state"), list):
+            raise CheckpointError(path, "saved with zero_optimization.elastic_checkpoint (optimizer state per "
+                                        "param group, not torch's optimizer state_dict): not supported")
         parts = osd.get("partition_count")
         parts = max(parts) if isinstance(parts, list) and parts else parts
         parts = int_field(path, parts, "partition_count", -1)
