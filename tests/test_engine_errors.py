@@ -72,6 +72,11 @@ def bad_use(rank: int, world: int) -> dict[str, tuple[str, str]]:
         zeroshard.initialize(model=nn.ReLU(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     out["no_parameters"] = _catch(no_parameters)
 
+    def float64_parameter() -> None:
+        model = nn.Linear(4, 4).double()
+        zeroshard.initialize(model=model, optimizer=_adam(model))
+    out["float64_parameter"] = _catch(float64_parameter)
+
     def config_mismatch() -> None:
         model = make_model()
         zeroshard.initialize(model=model, optimizer=_adam(model),
@@ -131,6 +136,7 @@ def errors() -> list[dict[str, tuple[str, str]]]:
     ("step_without_backward", "EngineUsageError", "without engine.backward"),
     ("second_step", "EngineUsageError", "without engine.backward"),
     ("no_parameters", "InvalidArgumentError", "has no parameters"),
+    ("float64_parameter", "InvalidArgumentError", "float64 parameters (weight, bias): the engine keeps fp32 master"),
     ("config_mismatch", "ConfigError", "differs between rank 0 and rank(s) [1]: zero_optimization.stage is 2 on "
                                        "rank 1, 1 on rank 0"),
     ("model_mismatch", "RanksBuiltDifferentModelsError",

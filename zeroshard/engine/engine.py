@@ -113,6 +113,11 @@ def _check_model(model: nn.Module) -> None:
     bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
     if bad:
         raise InvalidArgumentError(f"only floating-point parameters can be trained/sharded; not: {bad}")
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:  # the masters would round them, frozen or not, and training would not be float64's
+        raise InvalidArgumentError(f"float64 parameters ({', '.join(wide[:5])}{', ...' if len(wide) > 5 else ''}): "
+                                   "the engine keeps fp32 master weights, which would round them; cast the model "
+                                   "with model.float(), or hold a constant as a buffer")
 
 
 class ZeroEngine:
