@@ -545,7 +545,7 @@ def _report_import(manifest: Any, out: str) -> None:
     with_state = {t.param for t in manifest.tensors.values() if t.role == "optimizer"}
     frozen = sum(1 for t in params if t.name not in with_state) if with_state else 0
     click.echo(f"wrote {out}: {len(params)} parameters ({sum(t.numel for t in params):,} elements"
-               f"{f'; {frozen} frozen, without optimizer state' if frozen else ''}), "
+               f"{f'; {frozen} without optimizer state (frozen, or never stepped)' if frozen else ''}), "
                f"step {manifest.step}, over {manifest.world_size} ranks")
     for note in manifest.extra.get("import_notes") or []:
         click.echo(f"zeroshard: note: {note}", err=True)
