@@ -82,6 +82,19 @@ class TrainerTied(TinyTied):
         return {"loss": loss}
 
 
+def trainer_llama(seed: int) -> nn.Module:
+    """A two-layer Llama of transformers' own code (its config.json names the class), for the
+    Trainer fixture without DeepSpeed: q/o, k/v and gate/up projections share shapes, so only
+    the parameter order tells their optimizer states apart."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=8, intermediate_size=12, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16,
+                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return transformers.LlamaForCausalLM(config)
+
+
 def trainer_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch of every step and rank in the HF Trainer fixture: its dataset is one sample
     repeated, so what the Trainer's sampler hands each rank is known without running it."""

@@ -118,7 +118,8 @@ def test_deepspeed_variants_resume_with_deepspeeds_own_losses(tmp_path, variant)
     assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
     steps = [3, 4, 5]
     frozen = FROZEN if variant.startswith("frozen") else ()
-    assert ("5 parameters (105 elements; 2 without optimizer state (frozen, or never stepped))" in output) == bool(frozen), output
+    said = "5 parameters (105 elements; 2 without optimizer state (frozen, or never stepped))" in output
+    assert said == bool(frozen), output
     if variant.startswith("accelerate"):  # on CPU its state says 1 process: both ranks wrote random_states_0.pkl
         assert "RNG streams not carried: random_states_0.pkl cover processes 0 of a 2-rank save" in output, output
     scheduler_steps = expected.get("scheduler_steps_per_step", 0)
@@ -301,7 +302,8 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
     assert CliRunner().invoke(main, [*command[1:], "-q"]).exit_code == 0
     torch.save({"state": {}, "param_groups": []}, src / "optimizer.pt")  # the Trainer's without DeepSpeed
     result = CliRunner().invoke(main, ["import", "deepspeed", str(src), str(tmp_path / "out"), "-q"])
-    assert "with a fresh optimizer: optimizer.pt keys its state by parameter index" in result.output, result.output
+    assert f"Trainer checkpoint without DeepSpeed (model weights and optimizer.pt): `zeroshard import dcp {src} OUT`" \
+        in result.output, result.output
 
 
 def test_interop_is_toolkit_side():
@@ -483,7 +485,7 @@ def test_accelerate_registered_objects_are_carried_and_one_holding_tensors_is_re
 
 
 def _trainer_resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, expected: dict,
-                    with_scheduler: bool = True, strict: bool = True) -> dict:
+                    with_scheduler: bool = True, strict: bool = True, stage: int | None = None) -> dict:
     """Resume an HF Trainer fixture's import as the Trainer's script would go on: its linear
     warmup schedule (when `with_scheduler`), 3 steps of its one repeated batch; the mean losses and
     the load's warnings."""
@@ -494,7 +496,8 @@ def _trainer_resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
     import zeroshard
 
     engine = zeroshard.initialize(model=model, optimizer=optimizer,
-                                  config={"zero_optimization": {"stage": expected["stage"]}, "gradient_clipping": 1.0,
+                                  config={"zero_optimization": {"stage": expected["stage"] if stage is None else stage},
+                                          "gradient_clipping": 1.0,
                                           "train_micro_batch_size_per_gpu": MICRO_BATCH})
     schedule = expected["scheduler"]
     scheduler = transformers.get_scheduler(schedule["name"], engine.optimizer,
@@ -504,9 +507,10 @@ def _trainer_resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pa
         warnings.simplefilter("always")
         engine.load_checkpoint(path, lr_scheduler=scheduler if with_scheduler else None, strict=strict)
     losses = []
+    tokens, labels = trainer_batch()
     for _ in range(3):
-        out = engine(*trainer_batch())
-        loss = out["loss"] if isinstance(out, dict) else out
+        out = engine(input_ids=tokens, labels=labels)  # as the Trainer calls models
+        loss = out["loss"]
         engine.backward(loss)
         engine.step()
         for _ in range(expected["scheduler_steps_per_step"]):
@@ -521,7 +525,8 @@ def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool
     """TinyTied with the Trainer's AdamW groups (no weight decay on biases and LayerNorm), or one
     plain group (and then no scheduler)."""
     expected = json.loads((FIXTURES / "hf_trainer" / "expected.json").read_text())
-    model = make_model(1)
+    torch.manual_seed(1)
+    model = TrainerTied()  # make_model(1)'s weights, called as the Trainer calls it
     named = dict(model.named_parameters())
     decay = [named["emb.weight"], named["fc.weight"]]
     rest = [named["norm.weight"], named["norm.bias"], named["fc.bias"]]
@@ -561,6 +566,80 @@ def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
     assert any("param groups (1: " in w and "are not the saved ones (2: " in w and "weight_decay 0.0" in w
                for w in plain["warnings"]), plain["warnings"]
     assert any("saved state of 'lr_scheduler' is not restored" in w for w in plain["warnings"]), plain["warnings"]
+
+
+def _resume_trainer_ddp(rank: int, world_size: int, path: str, stage: int) -> dict:
+    """The Trainer's Llama from other weights (seed 1), with the Trainer's own AdamW groups."""
+    import transformers
+
+    from interop_model import trainer_llama
+
+    expected = json.loads((FIXTURES / "hf_trainer_ddp" / "expected.json").read_text())
+    model = trainer_llama(1)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": WEIGHT_DECAY},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    return _trainer_resume(model, optimizer, path, expected, stage=stage)
+
+
+def test_hf_trainer_checkpoint_without_deepspeed_imports_with_its_optimizer_state(tmp_path):
+    """Hugging Face's Trainer with DDP alone (tests/data/deepspeed/hf_trainer_ddp, written by
+    transformers 5.24 on a two-layer Llama): optimizer.pt keys Adam's state by parameter index,
+    and q/o, k/v, gate/up share shapes, so only the model class's order says which is which
+    (zeroshard/interop/trainer_ddp.py). The import gives each state to its parameter, carries the
+    schedule and RNG streams, and resumes with the Trainer's own next losses at stages 0 and 3.
+    A config of another transformers version, or of another model, is refused, writing nothing."""
+    pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+    from safetensors.torch import load_file
+
+    expected = json.loads((FIXTURES / "hf_trainer_ddp" / "expected.json").read_text())
+    src = FIXTURES / "hf_trainer_ddp" / "checkpoint-3"
+    out = tmp_path / "imported"
+    listed = CliRunner().invoke(main, ["ls", str(src.parent)]).output  # ls names the command to run
+    assert f"FOREIGN: a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP): `zeroshard import dcp {src} OUT`" \
+        in listed, listed
+    result = CliRunner().invoke(main, ["import", "dcp", str(src), str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "Hugging Face Trainer (no DeepSpeed or FSDP) layout" in result.output
+    assert "LR scheduler state carried: lr_scheduler from scheduler.pt" in result.output
+    assert "RNG streams of the 2 ranks read" in result.output
+    theirs = load_file(str(src / "model.safetensors"))
+    ours = zeroshard_load(out)
+    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+    saved = torch.load(src / "optimizer.pt", weights_only=True)  # the test may read the pickle; zeroshard never does
+    assert [len(g["params"]) for g in saved["param_groups"]] == [15, 5]
+    import zeroshard
+
+    layer = "model.layers.0."  # index 1 is its q_proj, index 4 its o_proj: both 8 x 8
+    with zeroshard.open_tensors(str(out), roles=None) as ckpt:
+        for index, name in ((1, f"{layer}self_attn.q_proj.weight"), (4, f"{layer}self_attn.o_proj.weight"),
+                            (15, f"{layer}input_layernorm.weight")):
+            assert torch.equal(ckpt[f"optimizer/exp_avg/{name}"], saved["state"][index]["exp_avg"]), name
+    for stage in (0, 3):
+        got = run_ranks(_resume_trainer_ddp, 2, path=str(out), stage=stage, init_process_group=False)[0]
+        assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (stage, got, expected)
+        assert not got["warnings"], got["warnings"]
+
+    config = json.loads((src / "config.json").read_text())
+    for change, needle in (({"transformers_version": "4.57.0"}, "saved by transformers 4.57.0"),
+                           ({"num_hidden_layers": 1}, "param groups of [15, 5] parameters, where the Trainer's "
+                                                      "default optimizer has [8, 3]")):
+        edited = tmp_path / "edited"
+        shutil.rmtree(edited, ignore_errors=True)
+        shutil.copytree(src, edited)
+        (edited / "config.json").write_text(json.dumps(dict(config, **change)))
+        result = CliRunner().invoke(main, ["import", "dcp", str(edited), str(tmp_path / "refused"), "-q"])
+        assert result.exit_code == 1 and needle in result.output, result.output
+        assert "zeroshard shard" in result.output and not (tmp_path / "refused").exists()
+    shutil.rmtree(edited)
+    shutil.copytree(src, edited)  # an 8-bit optimizer's state: shaped as the parameters, but not Adam's moments
+    for per_param in saved["state"].values():
+        per_param["state1"] = per_param.pop("exp_avg")
+    torch.save(saved, edited / "optimizer.pt")
+    result = CliRunner().invoke(main, ["import", "dcp", str(edited), str(tmp_path / "refused"), "-q"])
+    assert result.exit_code == 1 and "state state1 of parameter index 0: not torch's Adam/AdamW" in result.output
+    assert not (tmp_path / "refused").exists()
 
 
 def _resume_lora(rank: int, world_size: int, path: str, variant: str) -> dict:

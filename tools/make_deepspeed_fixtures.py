@@ -38,7 +38,8 @@ dynamic loss scaling set by interop_model.FP16 so that it grows and overflows ar
 stage3_subgroups (stage 3 with `sub_group_size` 20 and two param groups, interop_model.two_groups:
 DeepSpeed cuts the first group's partition into two flat groups, so param_shapes lists three);
 universal_stage3_subgroups (that through ds_to_universal); elastic_stage2 (stage 2 with
-`elastic_checkpoint`, which zeroshard refuses: saved only, DeepSpeed cannot resume it either).
+`elastic_checkpoint`, which zeroshard refuses: saved only, DeepSpeed cannot resume it either);
+hf_trainer_ddp (the Trainer with no DeepSpeed, DDP over gloo, on interop_model.trainer_llama).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ VARIANTS = {
     # (its load asserts on base_optimizer_state_step, which only optimizers keeping `step` in
     # their param groups save), so the fixture is the save alone
     "elastic_stage2": {"stage": 2, "elastic": True, "refused": True},
+    # the Trainer with no DeepSpeed (DDP over gloo): stage 0 means the engine resumes it as DDP
+    "hf_trainer_ddp": {"stage": 0, "trainer": True, "ddp": True},
 }
 LORA = {"target_modules": ["fc"], "r": 2, "lora_alpha": 4, "init_lora_weights": False}  # random B: the adapters act
 # the HF Trainer fixture's schedule (transformers' get_scheduler arguments)
@@ -183,15 +186,20 @@ def _train(engine, steps: range) -> list[float]:
 
 
 def _trainer(rank: int, name: str, phase: str, out: str) -> None:
-    """Hugging Face's Trainer drives DeepSpeed: train to step 6 saving checkpoint-3, or resume it."""
+    """Hugging Face's Trainer drives DeepSpeed (or, `ddp`, DDP alone): train to step 6 saving
+    checkpoint-3, or resume it."""
     import deepspeed
     from transformers import Trainer, TrainingArguments
 
-    from interop_model import TrainerTied
+    from interop_model import TrainerTied, trainer_llama
 
-    lora = VARIANTS[name].get("lora")
+    lora, ddp = VARIANTS[name].get("lora"), VARIANTS[name].get("ddp")
     torch.manual_seed(0 if phase == "save" or lora else 1)  # fresh weights the resume must overwrite...
-    model = inner = TrainerTied()
+    model = inner = trainer_llama(0 if phase == "save" else 1) if ddp else TrainerTied()
+    if ddp:  # the mean loss of each forward, as the model computes it outside the Trainer (no token count)
+        inner.losses = []
+        inner.register_forward_hook(lambda m, args, kwargs, out: m.losses.append(
+            m.loss_function(out.logits, kwargs["labels"], vocab_size=m.config.vocab_size).item()), with_kwargs=True)
     if lora:  # ... but a LoRA run's base is its pretrained model, the same in both; its adapters are fresh
         from peft import LoraConfig, get_peft_model
 
@@ -206,8 +214,8 @@ def _trainer(rank: int, name: str, phase: str, out: str) -> None:
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=MICRO_BATCH, max_steps=6, save_steps=3,
                              logging_steps=1, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
                              weight_decay=WEIGHT_DECAY, warmup_steps=TRAINER_SCHEDULE["num_warmup_steps"],
-                             lr_scheduler_type=TRAINER_SCHEDULE["name"], deepspeed=config, report_to="none",
-                             seed=0, use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
+                             lr_scheduler_type=TRAINER_SCHEDULE["name"], deepspeed=None if ddp else config,
+                             report_to="none", seed=0, use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=os.path.join(out, HF_FOLDER) if phase == "resume" else None)
     losses = torch.tensor(inner.losses)

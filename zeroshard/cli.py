@@ -524,7 +524,9 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
     {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
     Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/, or with
-    FULL_STATE_DICT pytorch_model_fsdp.bin + optimizer.bin).
+    FULL_STATE_DICT pytorch_model_fsdp.bin + optimizer.bin), or a Hugging Face Trainer
+    checkpoint-N/ written without DeepSpeed or FSDP (model.safetensors + optimizer.pt; needs the
+    transformers release that saved it, to learn the order of optimizer.pt's parameters).
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight
     from the `.distcp` byte ranges. Without optimizer state every floating tensor is a

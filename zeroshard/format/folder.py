@@ -93,6 +93,8 @@ def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, s
                 return "a DeepSpeed checkpoint folder", "deepspeed", location.url
         except (OSError, ZeroshardError):
             continue  # not a readable folder: no hint from it
+    if "optimizer.pt" in names and ("model.safetensors" in names or "model.safetensors.index.json" in names):
+        return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)", "dcp", location.url
     runs = sorted((n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n)), key=lambda n: int(n[11:]))
     if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are
         inner = foreign_checkpoint_kind(location.child(runs[-1]), _depth + 1)

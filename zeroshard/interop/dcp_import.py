@@ -30,6 +30,7 @@ from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
 from zeroshard.interop.pickled_state import PickledSource
+from zeroshard.interop.trainer_ddp import OWN, TrainerSource, is_trainer_checkpoint
 
 
 def _path_of(metadata: Any, key: str) -> tuple:
@@ -97,10 +98,15 @@ def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
     names = files.listdir(folder)
     if ACCELERATE_FULL_MODEL in names:
         return _full_state_sources(folder, names)
+    if is_trainer_checkpoint(names):  # Hugging Face's Trainer without DeepSpeed or FSDP
+        return [TrainerSource(folder, names)], [], [n for n in names if n not in OWN and not n.endswith(".safetensors")]
     if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
         per_rank = next((n for n in names if _PER_RANK_PICKLE.fullmatch(n)), None)
         why = (f"; {per_rank} is a per-rank torch.save of DTensor shards (Accelerate's SHARDED_STATE_DICT with "
                "use_dcp=False), which is not read: save with DCP (the default) or FULL_STATE_DICT" if per_rank else "")
+        runs = sorted(n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n))
+        if runs and not why:
+            why = f"; a Trainer's output folder? Name one of its checkpoints ({', '.join(runs[:4])})"
         raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
                                       f"{ACCELERATE_MODEL}/.metadata or {ACCELERATE_FULL_MODEL}){why}")
     extra_models = [n for n in names if re.fullmatch(r"pytorch_model_fsdp_[1-9]\d*", n)]
@@ -270,9 +276,9 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
         names = [n for n in model if model[n].is_floating_point() and n not in forced]
 
     prefixes: dict[str, Any] = {}
-    pickled = isinstance(sources[0], PickledSource)
-    imp = Imported(source=f"{'accelerate' if pickled else 'dcp'}:{files.absolute(folder)}", params={}, zero_stage=3,
-                   world_size=max(len(s.files) for s in sources) or 1)
+    kind = {PickledSource: "accelerate", TrainerSource: "trainer"}.get(type(sources[0]), "dcp")
+    imp = Imported(source=f"{kind}:{files.absolute(folder)}", params={}, zero_stage=3,
+                   world_size=max(getattr(s, "world_size", None) or len(s.files) for s in sources) or 1)
     for name in names:
         if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params, prefixes) is not None:
             continue  # a tied copy of a parameter already taken: an alias, below
@@ -306,7 +312,8 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     trained = imp.client_state.get("train_state", {}).get("step") if isinstance(imp.client_state, dict) else None
     imp.global_steps = imp.micro_steps = int(steps[0]) if steps else int(trained) if isinstance(trained, int) else 0
 
-    notes.insert(0, f"{'Accelerate full state dict' if pickled else 'DCP'} layout: {layout.name}")
+    label = {"accelerate": "Accelerate full state dict", "trainer": "Hugging Face Trainer (no DeepSpeed or FSDP)"}
+    notes.insert(0, f"{label.get(kind, 'DCP')} layout: {layout.name}")
     if not layout.optimizer_prefix:
         notes.append(f"no optimizer state in the source: {len(imp.params)} floating tensor(s) imported as "
                      f"parameters, {len(imp.buffers)} as buffers ({', '.join(imp.buffers) or 'none'}); the engine "
@@ -319,7 +326,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
         notes.append("tied weights recognised by equal values: " +
                      ", ".join(f"{a} -> {t}" for a, t in imp.aliases.items()))
     imp.notes.extend(notes)
-    carry_beside(imp, folder, beside, "Accelerate save_state")
+    carry_beside(imp, folder, beside, "the Trainer's checkpoint" if kind == "trainer" else "Accelerate save_state")
     return imp
 
 

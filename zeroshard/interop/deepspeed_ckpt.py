@@ -110,8 +110,8 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
             f"folder): `zeroshard shard {shard_src} OUT --world N` starts a checkpoint from them"
             if weights else "")
     if weights and "optimizer.pt" in names:  # the Trainer's DDP save: torch's optimizer.state_dict()
-        hint += (", with a fresh optimizer: optimizer.pt keys its state by parameter index, without names, "
-                 "so it cannot be matched to the weights offline")
+        hint = (f"; it is a Hugging Face Trainer checkpoint without DeepSpeed (model weights and optimizer.pt): "
+                f"`zeroshard import dcp {src} OUT` imports it with its optimizer state and schedule")
     raise CheckpointError(src, "not a DeepSpeed checkpoint: no *_optim_states.pt files, no 'latest' or "
                                f"'latest_universal', no checkpoint-N folder{hint}")
 

@@ -34,6 +34,11 @@ def storage_options(options: Mapping[str, Any] | None) -> Iterator[None]:
         _OPTIONS.reset(token)
 
 
+def options() -> dict[str, Any]:
+    """The storage options in force (for a reader that builds its own Location)."""
+    return dict(_OPTIONS.get())
+
+
 def bound(read: Callable[..., Any]) -> Callable[..., Any]:
     """`read`, run later (a LazyTensor's read, after the reader returned) with the storage
     options in force now."""
