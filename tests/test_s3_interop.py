@@ -168,3 +168,18 @@ def test_missing_or_cut_s3_objects_are_one_line_errors_naming_them(tmp_path, s3_
     with pytest.raises(CheckpointError, match="no such DeepSpeed checkpoint folder"):
         read_deepspeed(f"{s3_bucket}/nothing-here")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_trainer_checkpoint_without_deepspeed_from_s3_imports_bit_identical_to_local(tmp_path, s3_bucket, s3_client):
+    """The Trainer's DDP checkpoint (weights read by range from model.safetensors, optimizer.pt,
+    config.json, the schedule and RNG streams beside) from S3 writes what its local copy writes."""
+    pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+    local_src = FIXTURES / "hf_trainer_ddp" / "checkpoint-3"
+    _upload(s3_client, local_src, f"{s3_bucket}/trainer")
+    runner = CliRunner()
+    local = runner.invoke(main, ["import", "dcp", str(local_src), str(tmp_path / "local"), "-q"])
+    assert local.exit_code == 0, local.output
+    remote = runner.invoke(main, ["import", "dcp", f"{s3_bucket}/trainer", str(tmp_path / "remote"), "-q"])
+    assert remote.exit_code == 0, remote.output
+    _same_import(str(tmp_path / "local"), str(tmp_path / "remote"))
+    assert open_checkpoint(str(tmp_path / "remote"))[1].extra["source"].startswith("trainer:s3://")
