@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -525,3 +526,33 @@ def test_a_lazy_import_resumes_like_fsdp2(tmp_path, fsdp_layouts, monkeypatch):
     monkeypatch.setattr(dcp_chunks, "LAZY_BYTES", 0)
     _import(fsdp_layouts[0] / "flattened", tmp_path / "out")
     _resumes_like(tmp_path / "out", fsdp_layouts[1])
+
+
+_ACCELERATE_DDP = """
+import sys, torch
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+accelerator.backward(model(torch.randn(2, 4)).sum())
+optimizer.step()
+accelerator.save_state(sys.argv[1])
+"""
+
+
+def test_accelerate_save_state_without_fsdp_is_refused_with_the_way_to_its_weights(tmp_path):
+    """Accelerate's plain (DDP or one-process) save_state writes model.safetensors and torch's
+    optimizer.state_dict() as optimizer.bin, keyed by parameter index in the order the script
+    built its groups, which no file records: refused by name, pointing at `shard`, which works."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
+    out = tmp_path / "state"
+    subprocess.run([sys.executable, "-c", _ACCELERATE_DDP, str(out)], check=True, timeout=120,
+                   env=dict(os.environ, ACCELERATE_USE_CPU="1"), capture_output=True)
+    assert {"model.safetensors", "optimizer.bin"} <= {p.name for p in out.iterdir()}
+    result = CliRunner().invoke(main, ["import", "dcp", str(out), str(tmp_path / "zs"), "-q"])
+    assert result.exit_code == 1 and "an Accelerate save_state without FSDP or DeepSpeed" in result.output
+    command = result.output.split("`")[1].replace("OUT", str(tmp_path / "sharded")).replace(" N", " 2").split()
+    assert command[:2] == ["zeroshard", "shard"] and not (tmp_path / "zs").exists()
+    assert CliRunner().invoke(main, [*command[1:], "-q"]).exit_code == 0

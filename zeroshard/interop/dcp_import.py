@@ -105,7 +105,12 @@ def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
         why = (f"; {per_rank} is a per-rank torch.save of DTensor shards (Accelerate's SHARDED_STATE_DICT with "
                "use_dcp=False), which is not read: save with DCP (the default) or FULL_STATE_DICT" if per_rank else "")
         runs = sorted(n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n))
-        if runs and not why:
+        if "optimizer.bin" in names and any(re.fullmatch(r"model(?:_\d+)?\.safetensors", n) for n in names):
+            why = ("; it is an Accelerate save_state without FSDP or DeepSpeed: optimizer.bin keys its state by "
+                   "parameter index, in the order your script built its param groups, which no file records, so it "
+                   f"is not read; `zeroshard shard {files.join(folder, 'model.safetensors')} OUT --world N` takes the "
+                   "weights alone, with a fresh optimizer")
+        elif runs and not why:
             why = f"; a Trainer's output folder? Name one of its checkpoints ({', '.join(runs[:4])})"
         raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
                                       f"{ACCELERATE_MODEL}/.metadata or {ACCELERATE_FULL_MODEL}){why}")
