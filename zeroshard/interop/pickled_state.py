@@ -1,5 +1,6 @@
 """A full state dict saved with torch.save, presented as dcp_import reads a DCP folder: flat
-keys, each with its path and value, so dcp_layouts.classify decides the layout alike.
+keys, each with its path and value, so dcp_layouts.classify decides the layout alike
+(FlatSource holds such entries; trainer_ddp.py fills one too).
 
 [Note: Accelerate's FULL_STATE_DICT] FULL_STATE_DICT is the default `state_dict_type` of
 Accelerate's FSDP plugin with FSDP1 (FSDP2's is SHARDED_STATE_DICT, written as DCP folders). Its
@@ -21,19 +22,46 @@ from zeroshard.interop.imported import is_tensor
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
 
-class PickledSource:
+class FlatSource:
+    """Entries held in memory, each under its dotted key with its path (as DCP flattens a saved
+    dict), read as dcp_import reads a DCP folder's."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder  # what errors name (a DCP source's folder)
+        self._paths: dict[str, tuple] = {}
+        self._values: dict[str, Any] = {}
+
+    def _put(self, path: str, where: tuple, value: Any) -> None:
+        key = ".".join(map(str, where))
+        if key in self._values:
+            raise CheckpointError(path, f"two entries would both be {key!r}")
+        self._paths[key], self._values[key] = where, value
+
+    def keys(self) -> list[str]:
+        return list(self._values)
+
+    def path(self, key: str) -> tuple:
+        return self._paths[key]
+
+    def dims(self, key: str) -> int | None:
+        value = self._values[key]
+        return value.dim() if is_tensor(value) else None
+
+    def read(self, key: str) -> Any:
+        return self._values[key]
+
+
+class PickledSource(FlatSource):
     """One torch.save'd state dict whose entries go under `head` ("model" or "optimizer")."""
 
     def __init__(self, path: str, root: str, head: str) -> None:
-        self.folder = path  # what errors name (a DCP source's folder)
+        super().__init__(path)
         self.files = {path}
         loaded = torch_zip.load_lazy(path, root)
         if not isinstance(loaded, dict):
             raise CheckpointError(path, f"holds a {type(loaded).__name__}, not a state dict")
         if nesting_depth(loaded) > MAX_NESTING:
             raise CheckpointError(path, f"nests containers more than {MAX_NESTING} deep")
-        self._paths: dict[str, tuple] = {}
-        self._values: dict[str, Any] = {}
         if head == "model":
             for name, value in loaded.items():
                 self._put(path, (head, _name(path, name)), value)
@@ -54,25 +82,6 @@ class PickledSource:
                 self._flatten(path, (*prefix, index), inner)
         else:
             self._put(path, prefix, value)
-
-    def _put(self, path: str, where: tuple, value: Any) -> None:
-        key = ".".join(map(str, where))
-        if key in self._values:
-            raise CheckpointError(path, f"two entries would both be {key!r}")
-        self._paths[key], self._values[key] = where, value
-
-    def keys(self) -> list[str]:
-        return list(self._values)
-
-    def path(self, key: str) -> tuple:
-        return self._paths[key]
-
-    def dims(self, key: str) -> int | None:
-        value = self._values[key]
-        return value.dim() if is_tensor(value) else None
-
-    def read(self, key: str) -> Any:
-        return self._values[key]
 
 
 def _name(path: str, key: Any) -> str:

@@ -26,6 +26,7 @@ from zeroshard.errors import CheckpointError
 from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, open_full_model
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import LazyTensor, is_tensor
+from zeroshard.interop.pickled_state import FlatSource
 from zeroshard.interop.rng_states import rng_files
 from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 
@@ -45,15 +46,13 @@ def weights_only_hint(folder: str) -> str:
     return f"`zeroshard shard {folder} OUT --world N` takes the weights alone, with a fresh optimizer"
 
 
-class TrainerSource:
+class TrainerSource(FlatSource):
     """The model and optimizer of a Trainer checkpoint folder, by name (see the module notes)."""
 
     def __init__(self, folder: str, names: list[str]) -> None:
-        self.folder = folder
+        super().__init__(folder)
         # the processes that saved it: one RNG file each (beside.py carries them at that world size)
         self.world_size = len(rng_files(names)) or 1
-        self._values: dict[str, Any] = {}
-        self._paths: dict[str, tuple] = {}
         weights = self._weights()
         order = parameter_order(folder, names)
         optimizer_path = files.join(folder, OPTIMIZER)
@@ -63,13 +62,13 @@ class TrainerSource:
             raise CheckpointError(optimizer_path, "not torch's optimizer state_dict (state, param_groups)")
         by_index = _match(optimizer_path, saved, order, weights, folder)
         for name, value in weights.items():
-            self._put(("model", name), value)
+            self._put(folder, ("model", name), value)
         for index, per_param in saved["state"].items():
             for key, value in per_param.items():
-                self._put(("optimizer", "state", by_index[index], key), value)
+                self._put(optimizer_path, ("optimizer", "state", by_index[index], key), value)
         for g, group in enumerate(saved["param_groups"]):
             for key, value in group.items():
-                self._put(("optimizer", "param_groups", g, key),
+                self._put(optimizer_path, ("optimizer", "param_groups", g, key),
                           [by_index[i] for i in value] if key == "params" else value)
 
     def _weights(self) -> dict[str, LazyTensor]:
@@ -88,23 +87,6 @@ class TrainerSource:
                 return part
             out[t.name] = LazyTensor(t.shape, torch_dtype(t.dtype), files.bound(read))
         return out
-
-    def _put(self, where: tuple, value: Any) -> None:
-        self._paths[".".join(map(str, where))] = where
-        self._values[".".join(map(str, where))] = value
-
-    def keys(self) -> list[str]:
-        return list(self._values)
-
-    def path(self, key: str) -> tuple:
-        return self._paths[key]
-
-    def dims(self, key: str) -> int | None:
-        value = self._values[key]
-        return value.dim() if is_tensor(value) else None
-
-    def read(self, key: str) -> Any:
-        return self._values[key]
 
 
 def parameter_order(folder: str, names: list[str]) -> tuple[list[str], list[str]]:
