@@ -14,6 +14,8 @@
   dcp_import.py      reading DCP checkpoints (FSDP2 model + optimizer) without a process group
   dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint (local or s3://)
   pickled_state.py   a torch.save'd full state dict (Accelerate's FULL_STATE_DICT) as DCP keys
+  trainer_ddp.py     the HF Trainer's checkpoint without DeepSpeed/FSDP (model.safetensors +
+                     optimizer.pt by index, named through the model class) as DCP keys
   beside.py          what Accelerate and the HF Trainer save beside the weights: schedulers,
                      registered objects, trainer_state.json carried; the rest named
   rng_states.py      their per-process RNG files as each rank's RNG state
