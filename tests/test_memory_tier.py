@@ -466,10 +466,11 @@ def _launch(tmp: Path, name: str, args: list[str]) -> tuple[Path, list[subproces
     script.write_text(KILLED_TRAIN)
     port = free_port()
     agents = []
-    for host in ("nodeA", "nodeB"):  # the first agent hosts the rendezvous store
+    for host in ("nodeA", "nodeB"):  # the first agent hosts the rendezvous store (said, not raced for)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mem-job",
-               "--max-restarts", "0", str(script), args[0], str(out), *args[1:]]
+               "--rdzv-conf", f"is_host={int(host == 'nodeA')}", "--max-restarts", "0", str(script), args[0],
+               str(out), *args[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROSHARD_HOST_ID": host}
         agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, start_new_session=True))

@@ -150,10 +150,14 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
-def _agent(script: Path, host: str, port: int, job: str, nnodes: int, args: list[str]) -> subprocess.Popen:
+def _agent(script: Path, host: str, port: int, job: str, nnodes: int, args: list[str],
+           hosts_store: bool) -> subprocess.Popen:
+    # is_host: which agent serves the rendezvous store is said, not raced for. Left to torchrun,
+    # the first to bind the port serves it; on a loaded machine that was once the second node,
+    # and losing it took the store with it (the survivor's agent failed before its ranks could)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-           "--max-restarts", "0", str(script), *args]
+           "--rdzv-conf", f"is_host={int(hosts_store)}", "--max-restarts", "0", str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROSHARD_HOST_ID": host}
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group: the whole node dies at once
@@ -166,8 +170,10 @@ def _job(tmp: Path, name: str, hosts: list[str], job: str, args: list[str]) -> l
     script.write_text(TRAIN)
     port = free_port()
     agents = []
-    for host in hosts:  # the first agent hosts the rendezvous store
-        agents.append(_agent(script, host, port, job, len(hosts), [args[0], str(out), *args[1:]]))
+    for host in hosts:  # the first agent hosts the rendezvous store, and (started first, the lowest
+        # pid: torchrun orders nodes of one address by pid) holds ranks 0 and 1
+        agents.append(_agent(script, host, port, job, len(hosts), [args[0], str(out), *args[1:]],
+                             hosts_store=host == hosts[0]))
         time.sleep(1.0)
     return agents
 
