@@ -128,8 +128,8 @@ def parameter_order(folder: str, names: list[str]) -> tuple[list[str], list[str]
     except Exception as exc:  # noqa: BLE001 - whatever the model's own code raises, said in one line
         raise CheckpointError(path, f"could not build {architectures[0]} from it to learn the parameter order "
                                     f"({type(exc).__name__}: {str(exc)[:120]}){refuse}") from None
-    ordered = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    return [n for n, _ in ordered if n in decay], [n for n, _ in ordered if n not in decay]
+    ordered = [n for n, _ in model.named_parameters()]  # what Trainer.create_optimizer iterates
+    return [n for n in ordered if n in decay], [n for n in ordered if n not in decay]
 
 
 def _minor(version: str) -> tuple[str, ...]:
@@ -141,7 +141,7 @@ def _match(path: str, saved: dict, order: tuple[list[str], list[str]], weights: 
     """Parameter index -> name, checked: the groups' sizes, every state's shape (see the notes)."""
     groups = saved["param_groups"]
     refuse = f"; {weights_only_hint(folder)}"
-    sizes = [len(g.get("params") or []) if isinstance(g, dict) else -1 for g in groups]
+    sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else -1 for g in groups]
     if sizes != [len(o) for o in order]:
         raise CheckpointError(path, f"param groups of {sizes} parameters, where the Trainer's default optimizer has "
                                     f"{[len(o) for o in order]} (weight decay, none): another optimizer, or frozen "
