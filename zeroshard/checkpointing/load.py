@@ -35,7 +35,7 @@ from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restori
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.full_model import SourceTensor, open_full_model
+from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_tensor
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
 from zeroshard.format.training_state import (
@@ -396,8 +396,4 @@ def _read_source(folder: Any, readers: dict[str, Any], source: SourceTensor, sta
     """Elements [start, end) of a full-model tensor, read straight into a new 1-D tensor."""
     if source.file not in readers:
         readers[source.file] = folder.open_reader(source.file, follow_links=True)
-    out = torch.empty(end - start, dtype=torch_dtype(source.dtype))
-    if end > start:
-        readers[source.file].read_into(source.begin + start * source.itemsize,
-                                       memoryview(out.view(torch.uint8).numpy()))
-    return out
+    return read_source_tensor(readers[source.file], source, start, end)

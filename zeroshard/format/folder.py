@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
+from zeroshard.format.full_model import is_trainer_checkpoint
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -93,7 +94,7 @@ def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, s
                 return "a DeepSpeed checkpoint folder", "deepspeed", location.url
         except (OSError, ZeroshardError):
             continue  # not a readable folder: no hint from it
-    if "optimizer.pt" in names and ("model.safetensors" in names or "model.safetensors.index.json" in names):
+    if is_trainer_checkpoint(names):
         return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)", "dcp", location.url
     runs = sorted((n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n)), key=lambda n: int(n[11:]))
     if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are

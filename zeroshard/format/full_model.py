@@ -8,11 +8,15 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, read_header
+
+if TYPE_CHECKING:
+    import torch
 
 HF_INDEX_NAME = "model.safetensors.index.json"
 HF_SINGLE_NAME = "model.safetensors"
@@ -36,6 +40,12 @@ def split_file_url(url: str) -> tuple[str, str]:
     """`s3://b/x/model.safetensors` -> (`s3://b/x`, `model.safetensors`); a bare name -> (`.`, name)."""
     parent, name = posixpath.split(url.rstrip("/"))
     return parent or ".", name
+
+
+def is_trainer_checkpoint(names: list[str]) -> bool:
+    """Whether a folder holding `names` is a Hugging Face Trainer checkpoint written without
+    DeepSpeed or FSDP: the full model's weights beside torch's optimizer state dict."""
+    return "optimizer.pt" in names and (HF_SINGLE_NAME in names or HF_INDEX_NAME in names)
 
 
 def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Location, list[SourceTensor]]:
@@ -118,6 +128,18 @@ def _indexed_tensors(folder: Location) -> list[SourceTensor]:
     if missing:
         raise CheckpointError(where, f"{len(missing)} tensors in weight_map are not in their files, "
                                      f"e.g. {sorted(missing)[0]!r}")
+    return out
+
+
+def read_source_tensor(reader: RangeReader, tensor: SourceTensor, start: int, end: int) -> "torch.Tensor":
+    """Elements [start, end) of `tensor`, read straight into a new 1-D torch tensor."""
+    import torch
+
+    from zeroshard.storage.safetensors_header import torch_dtype
+
+    out = torch.empty(end - start, dtype=torch_dtype(tensor.dtype))
+    if end > start:
+        reader.read_into(tensor.begin + start * tensor.itemsize, memoryview(out.view(torch.uint8).numpy()))
     return out
 
 

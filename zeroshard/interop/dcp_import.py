@@ -23,14 +23,15 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
+from zeroshard.format.full_model import is_trainer_checkpoint
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
-from zeroshard.interop.pickled_state import PickledSource
-from zeroshard.interop.trainer_ddp import OWN, TrainerSource, is_trainer_checkpoint
+from zeroshard.interop.pickled_state import FlatSource, PickledSource
+from zeroshard.interop.trainer_ddp import OWN, TrainerSource
 
 
 def _path_of(metadata: Any, key: str) -> tuple:
@@ -50,11 +51,13 @@ _PER_RANK_PICKLE = re.compile(r"(?:pytorch_model_fsdp|optimizer)_\d+_rank\d+\.bi
 class _Source:
     """One DCP folder: its checked metadata and the storage entry of each chunk."""
 
+    kind = "dcp"
+
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self.metadata = load_metadata(files.join(folder, ".metadata"))
         storage = getattr(self.metadata, "storage_data", None) or {}
-        self.files = {i.relative_path for i in storage.values()}
+        self.world_size = len({i.relative_path for i in storage.values()}) or 1  # one .distcp file per rank
         self.chunks = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
                        for index, info in storage.items()}
 
@@ -232,7 +235,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     folder = src.rstrip("/") or "/"
     pattern = _buffer_pattern(buffers)
     sources, notes, beside = _sources(folder)
-    owner: dict[str, _Source | PickledSource] = {}
+    owner: dict[str, _Source | FlatSource] = {}
     paths: dict[str, tuple] = {}
     for source in sources:
         for key in source.keys():
@@ -281,9 +284,9 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
         names = [n for n in model if model[n].is_floating_point() and n not in forced]
 
     prefixes: dict[str, Any] = {}
-    kind = {PickledSource: "accelerate", TrainerSource: "trainer"}.get(type(sources[0]), "dcp")
+    kind = sources[0].kind
     imp = Imported(source=f"{kind}:{files.absolute(folder)}", params={}, zero_stage=3,
-                   world_size=max(getattr(s, "world_size", None) or len(s.files) for s in sources) or 1)
+                   world_size=max(s.world_size for s in sources))
     for name in names:
         if not layout.optimizer_prefix and _tie_of(name, model[name].float(), imp.params, prefixes) is not None:
             continue  # a tied copy of a parameter already taken: an alias, below

@@ -36,6 +36,7 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
+from zeroshard.format.full_model import is_trainer_checkpoint
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.beside import carry_beside, is_beside
 from zeroshard.interop.deepspeed_common import (
@@ -109,7 +110,7 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
     hint = (f"; it holds {weights[0]}, model weights (a Trainer checkpoint without DeepSpeed, or an HF model "
             f"folder): `zeroshard shard {shard_src} OUT --world N` starts a checkpoint from them"
             if weights else "")
-    if weights and "optimizer.pt" in names:  # the Trainer's DDP save: torch's optimizer.state_dict()
+    if is_trainer_checkpoint(names):  # the Trainer's DDP save: torch's optimizer.state_dict() beside
         hint = (f"; it is a Hugging Face Trainer checkpoint without DeepSpeed (model weights and optimizer.pt): "
                 f"`zeroshard import dcp {src} OUT` imports it with its optimizer state and schedule")
     raise CheckpointError(src, "not a DeepSpeed checkpoint: no *_optim_states.pt files, no 'latest' or "

@@ -54,9 +54,11 @@ class FlatSource:
 class PickledSource(FlatSource):
     """One torch.save'd state dict whose entries go under `head` ("model" or "optimizer")."""
 
+    kind = "accelerate"
+    world_size = 1  # rank 0 wrote the whole state
+
     def __init__(self, path: str, root: str, head: str) -> None:
         super().__init__(path)
-        self.files = {path}
         loaded = torch_zip.load_lazy(path, root)
         if not isinstance(loaded, dict):
             raise CheckpointError(path, f"holds a {type(loaded).__name__}, not a state dict")

@@ -23,7 +23,13 @@ import json
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.full_model import HF_INDEX_NAME, HF_SINGLE_NAME, open_full_model
+from zeroshard.format.full_model import (
+    HF_INDEX_NAME,
+    HF_SINGLE_NAME,
+    SourceTensor,
+    open_full_model,
+    read_source_tensor,
+)
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import LazyTensor, is_tensor
 from zeroshard.interop.pickled_state import FlatSource
@@ -33,13 +39,9 @@ from zeroshard.interop.torch_pickle import MAX_NESTING, nesting_depth
 OPTIMIZER = "optimizer.pt"
 CONFIG = "config.json"
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-# read here, or (weights files) through the index; beside.py takes the rest
 ADAM_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # adamw_torch(_fused), adamw_torch with amsgrad
+# read here, or (weights files) through the index; beside.py takes the rest
 OWN = (OPTIMIZER, CONFIG, "generation_config.json", HF_SINGLE_NAME, HF_INDEX_NAME)
-
-
-def is_trainer_checkpoint(names: list[str]) -> bool:
-    return OPTIMIZER in names and (HF_SINGLE_NAME in names or HF_INDEX_NAME in names)
 
 
 def weights_only_hint(folder: str) -> str:
@@ -48,6 +50,8 @@ def weights_only_hint(folder: str) -> str:
 
 class TrainerSource(FlatSource):
     """The model and optimizer of a Trainer checkpoint folder, by name (see the module notes)."""
+
+    kind = "trainer"
 
     def __init__(self, folder: str, names: list[str]) -> None:
         super().__init__(folder)
@@ -72,19 +76,14 @@ class TrainerSource(FlatSource):
                           [by_index[i] for i in value] if key == "params" else value)
 
     def _weights(self) -> dict[str, LazyTensor]:
-        import torch
-
         from zeroshard.storage.safetensors_header import torch_dtype
 
         location, tensors = open_full_model(self.folder, files.options())
         out = {}
         for t in tensors:
-            def read(start: int, end: int, t: Any = t) -> Any:
-                part = torch.empty(end - start, dtype=torch_dtype(t.dtype))
-                if end > start:
-                    with location.open_reader(t.file, follow_links=True) as reader:
-                        reader.read_into(t.begin + start * t.itemsize, memoryview(part.view(torch.uint8).numpy()))
-                return part
+            def read(start: int, end: int, t: SourceTensor = t) -> Any:
+                with location.open_reader(t.file, follow_links=True) as reader:
+                    return read_source_tensor(reader, t, start, end)
             out[t.name] = LazyTensor(t.shape, torch_dtype(t.dtype), files.bound(read))
         return out
 
