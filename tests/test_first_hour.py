@@ -202,8 +202,11 @@ def test_errors_say_what_to_do_next(run_root, tmp_path):
     code, _, err = cli("inspect", str(dcp))
     assert code == 1 and f"zeroshard import dcp {dcp} OUT" in err
     torch.save({"w": torch.ones(3)}, tmp_path / "pytorch_model.bin")
-    code, _, err = cli("shard", str(tmp_path / "pytorch_model.bin"), str(tmp_path / "x"), "--world", "2")
-    assert code == 1 and "pickle (torch.save) file, which zeroshard never reads" in err
+    code, _, err = cli("inspect", str(tmp_path / "pytorch_model.bin"))
+    assert code == 1 and f"zeroshard shard {tmp_path / 'pytorch_model.bin'} OUT --world N" in err, err
+    torch.save({"w": torch.ones(3)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    code, _, err = cli("shard", str(tmp_path / "old.pt"), str(tmp_path / "x"), "--world", "2")
+    assert code == 1 and "legacy (before 1.6) format" in err and not (tmp_path / "x").exists(), err
     code, _, err = cli("inspect", str(root / "step-9"))  # a save that never committed: no hint invented
     assert code == 1 and "import" not in err
 

@@ -102,12 +102,16 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
     """Split a full model into a WORLD-rank checkpoint (weights only).
 
     SRC is one .safetensors file or an HF-style folder (model.safetensors.index.json plus
-    shards). Every tensor is flattened and cut into WORLD near-equal contiguous pieces; rank r
-    gets piece r. Data is streamed: memory stays at one copy buffer (4 MiB; 32 MiB on S3) whatever the model size.
+    shards), or a torch.save file (pytorch_model.bin, model.pt; its pickle read through a closed
+    allowlist, never run) or a folder of them (pytorch_model.bin.index.json). Every tensor is
+    flattened and cut into WORLD near-equal contiguous pieces; rank r gets piece r. Data is
+    streamed: memory stays at one copy buffer (4 MiB; 32 MiB on S3) whatever the model size.
     """
     from zeroshard.toolkit.shard import shard as run
 
     manifest = run(src, out, world_size, overwrite=overwrite, storage_options=storage_options, quiet=quiet)
+    for note in manifest.extra.get("source_notes", []):
+        click.echo(f"note: {note}")
     n = sum(t.numel for t in manifest.tensors.values())
     click.echo(f"wrote {out}: {len(manifest.tensors)} tensors ({n:,} elements) over {world_size} ranks")
 

@@ -35,7 +35,7 @@ from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restori
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_tensor
+from zeroshard.format.full_model import SourceTensor, read_source_tensor
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
 from zeroshard.format.training_state import (
@@ -45,6 +45,7 @@ from zeroshard.format.training_state import (
     legacy_rng_key,
     rank_state_key,
 )
+from zeroshard.interop.pickled_model import open_model
 from zeroshard.storage.safetensors_header import torch_dtype
 
 if TYPE_CHECKING:
@@ -360,7 +361,8 @@ def legacy_rng_json(manifest: Manifest, rank: int, where: str) -> dict[str, Any]
 def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
                     storage_options: dict | None = None) -> None:
     """Load model weights from a full model (one .safetensors file or an HF folder with an
-    index) into a fresh engine: each rank reads only its ranges; optimizer state untouched."""
+    index, or their torch.save counterparts) into a fresh engine: each rank reads only its
+    ranges; optimizer state untouched."""
     target = engine.checkpoint_state()
     infos = {info.name: info for info in target.params}
     own_buffers = {b.name: b for b in target.buffers}
@@ -368,7 +370,9 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     error = None
     readers: dict[str, Any] = {}
     try:
-        folder, tensors = open_full_model(path, storage_options)
+        folder, tensors, notes = open_model(path, storage_options)
+        for note in notes if target.rank == 0 else []:
+            warnings.warn(f"load_pretrained: {note}", stacklevel=3)
         by_name: dict[str, SourceTensor] = {t.name: t for t in tensors}
         # a full model does not say which tensors are buffers: names decide, as in torch's load_state_dict
         saved = {n: tuple(t.shape) for n, t in by_name.items() if n not in target.aliases}

@@ -8,7 +8,7 @@ import json
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from zeroshard.errors import CheckpointError
 from zeroshard.format.manifest import is_safe_file_name
@@ -56,7 +56,7 @@ def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Loca
         folder = Location(parent, storage_options)
         return folder, _file_tensors(folder, name)
     if target.exists(HF_INDEX_NAME):
-        return target, _indexed_tensors(target)
+        return target, indexed_tensors(target, HF_INDEX_NAME, _file_tensors)
     if target.exists(HF_SINGLE_NAME):
         return target, _file_tensors(target, HF_SINGLE_NAME)
     if not target.exists():
@@ -64,8 +64,9 @@ def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Loca
     ranks = sorted(n for n in target.list() if _DCP_RANK_FILE.match(n))
     if ranks:
         _file_tensors(target, ranks[0])  # refused there, saying what the files are and what to do
-    raise CheckpointError(url, "not a full model: expected a .safetensors file, "
-                               f"or a folder with {HF_INDEX_NAME} or {HF_SINGLE_NAME}")
+    raise CheckpointError(url, "not a full model: expected a .safetensors or torch.save file, or a folder with "
+                               f"{HF_INDEX_NAME}, {HF_SINGLE_NAME}, pytorch_model.bin.index.json or "
+                               "pytorch_model.bin")
 
 
 # DCP's HuggingFaceStorageWriter records in every file it writes where each tensor's piece sits
@@ -104,10 +105,13 @@ def _file_tensors(folder: Location, name: str) -> list[SourceTensor]:
     return [SourceTensor(n, e.dtype, e.shape, name, e.begin, e.end) for n, e in entries]
 
 
-def _indexed_tensors(folder: Location) -> list[SourceTensor]:
-    where = folder.url_of(HF_INDEX_NAME)
+def indexed_tensors(folder: Location, index_name: str,
+                    file_tensors: Callable[[Location, str], list[SourceTensor]]) -> list[SourceTensor]:
+    """The tensors of an HF-style index (`index_name`, a `weight_map` of tensor -> file) and its
+    files, each file's read by `file_tensors`; the index and its files must agree."""
+    where = folder.url_of(index_name)
     try:
-        weight_map = json.loads(folder.read_bytes(HF_INDEX_NAME))["weight_map"]
+        weight_map = json.loads(folder.read_bytes(index_name))["weight_map"]
         assert isinstance(weight_map, dict)
     except (ValueError, KeyError, TypeError, AssertionError):
         raise CheckpointError(where, "not a valid index: expected a JSON object with a 'weight_map'") from None
@@ -117,10 +121,10 @@ def _indexed_tensors(folder: Location) -> list[SourceTensor]:
             raise CheckpointError(where, f"weight_map names {name!r}, which is not a plain file name in the folder")
     out: list[SourceTensor] = []
     for name in files:
-        for tensor in _file_tensors(folder, name):
+        for tensor in file_tensors(folder, name):
             if weight_map.get(tensor.name) != name:  # transformers would load it too: never drop it unsaid
                 mapped = weight_map.get(tensor.name)
-                raise CheckpointError(folder.url_of(name), f"holds {tensor.name!r}, which {HF_INDEX_NAME} "
+                raise CheckpointError(folder.url_of(name), f"holds {tensor.name!r}, which {index_name} "
                                       + (f"maps to {mapped!r}" if mapped else "does not name")
                                       + ": the index and its files disagree")
             out.append(tensor)

@@ -5,7 +5,8 @@
   torch_pickle.py    reading foreign .pt pickles through torch's weights_only unpickler and a
                      closed allowlist of stand-ins for DeepSpeed's classes
   torch_zip.py       torch.save zip archives read by record: big tensors are LazyTensors that
-                     read only the bytes of the range asked for (files or byte ranges of files)
+                     read only the bytes of the range asked for (files or byte ranges of files),
+                     or StoredTensors that say where their bytes lie
   imported.py        Imported: a foreign checkpoint, in zeroshard terms; LazyTensor, Flat
   write.py           writing an Imported as a zeroshard checkpoint (the format writer)
   deepspeed_ckpt.py  reading DeepSpeed ZeRO 1/2/3 checkpoint folders (deepspeed_common.py: what
@@ -14,6 +15,8 @@
   dcp_import.py      reading DCP checkpoints (FSDP2 model + optimizer) without a process group
   dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint (local or s3://)
   pickled_state.py   a torch.save'd full state dict (Accelerate's FULL_STATE_DICT) as DCP keys
+  pickled_model.py   a torch.save'd full model (pytorch_model.bin, model.pt) as byte ranges, for
+                     `shard` and `load_pretrained` (safetensors ones: format/full_model.py)
   trainer_ddp.py     the HF Trainer's checkpoint without DeepSpeed/FSDP (model.safetensors +
                      optimizer.pt by index, named through the model class) as DCP keys
   beside.py          what Accelerate and the HF Trainer save beside the weights: schedulers,

@@ -175,6 +175,32 @@ def _zip64_fields(path: str, name: str, extra: bytes, usize: int, csize: int, he
 def load(src: Source, lazy_bytes: int | None = None) -> Any:
     """The object torch.save'd in the archive at `src`: tensors of fewer than `lazy_bytes`
     (default LAZY_BYTES) bytes read now, bigger ones LazyTensors reading by range."""
+    value, refs = _unpickle(src)
+    return _Reader(src, refs, LAZY_BYTES if lazy_bytes is None else lazy_bytes).walk(value, 0)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A contiguous tensor of an archive: its bytes are [offset, offset + nbytes) of the file."""
+    shape: tuple[int, ...]
+    dtype: Any  # a torch.dtype
+    offset: int
+    nbytes: int
+
+
+def locate(path: str, folder: str) -> Any:
+    """The object torch.save'd at `path` (a file inside `folder`) with each tensor replaced by a
+    StoredTensor: for readers that copy byte ranges. Nothing but the pickle is read."""
+    src = open_archive(path, folder)
+    if not is_zip(src):
+        raise CheckpointError(path, "is in torch's legacy (before 1.6, not zip) format, which is not read by "
+                                    "range: load it and torch.save it again with a current torch")
+    value, refs = _unpickle(src)
+    return _Locator(src, refs, 0).walk(value, 0)
+
+
+def _unpickle(src: Source) -> tuple[Any, dict[int, Record]]:
+    """The archive's object with meta-device tensors, and each meta storage's record."""
     import pickle
 
     import torch
@@ -228,8 +254,7 @@ def load(src: Source, lazy_bytes: int | None = None) -> Any:
         raise CheckpointError(src.path, f"refused to unpickle: {first_line(exc)}") from None
     except (RuntimeError, EOFError, ValueError, MemoryError, RecursionError, IndexError, KeyError) as exc:
         raise CheckpointError(src.path, f"not a readable torch file: {first_line(exc)}") from None
-    reader = _Reader(src, refs, LAZY_BYTES if lazy_bytes is None else lazy_bytes)
-    return reader.walk(value, 0)
+    return value, refs
 
 
 class _Reader:
@@ -247,6 +272,10 @@ class _Reader:
             if id(value) not in self.done:
                 self.done[id(value)] = (value, self.tensor(value))
             return self.done[id(value)][1]
+        if id(value) in self.done:  # a container the pickle holds twice: replaced in place already
+            return value
+        if isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
+            self.done[id(value)] = (value, value)
         if isinstance(value, dict):
             for key, item in value.items():
                 value[key] = self.walk(item, depth + 1)
@@ -264,19 +293,11 @@ class _Reader:
     def tensor(self, meta: Any) -> Any:
         import torch
 
-        if meta.layout != torch.strided or not meta.is_meta:
-            raise CheckpointError(self.src.path, f"holds a {meta.layout} tensor; only dense tensors are read")
-        record = self.refs.get(meta.untyped_storage()._cdata)
-        if record is None:
-            raise CheckpointError(self.src.path, "holds a tensor with no storage record")
+        record, first, span = self._storage_of(meta)
         shape, dtype, size = tuple(meta.shape), meta.dtype, meta.element_size()
-        numel, first = math.prod(shape), meta.storage_offset()
+        numel = math.prod(shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        span = 1 + sum((n - 1) * s for n, s in zip(shape, meta.stride()))  # elements the view reaches
-        if (first + span) * size > record.size or any(s < 0 for s in meta.stride()):
-            raise CheckpointError(self.src.path, f"a tensor of shape {list(shape)} reaches past its storage "
-                                                 f"{record.name!r} ({record.size} bytes)")
         if not meta.is_contiguous():
             if span * size > MAX_STRIDED_BYTES:
                 raise CheckpointError(self.src.path, f"a non-contiguous tensor of shape {list(shape)} spans "
@@ -292,6 +313,24 @@ class _Reader:
             return read(0, numel).reshape(shape)
         return LazyTensor(shape, dtype, read)
 
+    def _storage_of(self, meta: Any) -> tuple[Record, int, int]:
+        """The record holding a meta tensor's storage, the view's first element and how many
+        elements it reaches, checked to lie inside the record."""
+        import torch
+
+        if meta.layout != torch.strided or not meta.is_meta:
+            raise CheckpointError(self.src.path, f"holds a {meta.layout} tensor; only dense tensors are read")
+        record = self.refs.get(meta.untyped_storage()._cdata)
+        if record is None:
+            raise CheckpointError(self.src.path, "holds a tensor with no storage record")
+        first, shape = meta.storage_offset(), tuple(meta.shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, meta.stride()))  # elements the view reaches
+        outside = (first + span) * meta.element_size() > record.size or any(s < 0 for s in meta.stride())
+        if math.prod(shape) and outside:
+            raise CheckpointError(self.src.path, f"a tensor of shape {list(shape)} reaches past its storage "
+                                                 f"{record.name!r} ({record.size} bytes)")
+        return record, first, span
+
     def _read(self, record: Record, offset: int, nbytes: int) -> Any:
         """`nbytes` bytes from `offset` of `record`, as a fresh uint8 tensor."""
         import torch
@@ -300,6 +339,18 @@ class _Reader:
         if nbytes:
             self.src.read_into(out, record.offset - self.src.base + offset)
         return out
+
+
+class _Locator(_Reader):
+    """Replaces the meta tensors of an unpickled object by StoredTensors."""
+
+    def tensor(self, meta: Any) -> StoredTensor:
+        record, first, _ = self._storage_of(meta)
+        if not meta.is_contiguous():
+            raise CheckpointError(self.src.path, f"holds a non-contiguous view of shape {list(meta.shape)}, which is "
+                                                 "not read by range: save its .contiguous() copy")
+        nbytes = math.prod(meta.shape) * meta.element_size()
+        return StoredTensor(tuple(meta.shape), meta.dtype, record.offset + first * meta.element_size(), nbytes)
 
 
 def open_archive(path: str, folder: str, offset: int = 0, length: int | None = None) -> Source:

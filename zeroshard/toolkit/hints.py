@@ -1,7 +1,8 @@
 """The next step, appended to a CLI error when the input is something zeroshard can convert or a
 user can fix: a DeepSpeed or DCP checkpoint given where a zeroshard one is expected (told apart by
 format.folder.foreign_checkpoint_kind, as resolve_checkpoint's own errors do), a pickle given
-where safetensors is expected. Looks only at names and a file's first bytes; never raises."""
+where safetensors or a checkpoint is expected (shard reads torch.save's zip format). Looks only
+at names and a file's first bytes; never raises."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def next_step(exc: ZeroshardError, storage_options: dict | None = None) -> str |
     if not isinstance(where, str) or "zeroshard import" in str(exc):  # the reader named the command already
         return None
     try:
-        # only where a pickle was taken for safetensors: import's own refusals of pickles say enough
-        pickle = _pickle_hint(where) if "safetensors" in str(exc) else None
+        # only where a pickle was taken for safetensors or a checkpoint: import's own refusals of pickles say enough
+        taken = "safetensors" in str(exc) or "not a zeroshard checkpoint" in str(exc)
+        pickle = _pickle_hint(where) if taken else None
         return pickle or _checkpoint_hint(where, storage_options)
     except Exception:  # a hint is a courtesy: never replace the real error with another
         return None
@@ -32,10 +34,12 @@ def _pickle_hint(where: str) -> str | None:
     if path is None or not os.path.isfile(path):
         return None
     head = Location(path).read_bytes("", 0, 4)
-    if head[:2] == b"PK" or head[:1] == b"\x80" or where.endswith(PICKLE_SUFFIXES):
-        return ("this is a pickle (torch.save) file, which zeroshard never reads; convert it to safetensors first, "
-                "e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors') or "
-                "transformers' save_pretrained(..., safe_serialization=True)")
+    if head[:2] == b"PK":
+        return (f"this is a torch.save file: `zeroshard shard {where} OUT --world N` reads it (its pickle through a "
+                "closed allowlist, never run), as does load_pretrained; the other commands take zeroshard checkpoints")
+    if head[:1] == b"\x80" or where.endswith(PICKLE_SUFFIXES):
+        return ("this is a pickle in torch's legacy (before 1.6) format or a plain pickle, which zeroshard does not "
+                "read: torch.save the state dict again with a current torch, then `zeroshard shard` it")
     return None
 
 

@@ -11,10 +11,11 @@ from contextlib import ExitStack
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
-from zeroshard.format.full_model import SourceTensor, open_full_model, read_source_range
+from zeroshard.format.full_model import SourceTensor, read_source_range
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.format.reader import chunk_bytes_for
+from zeroshard.interop.pickled_model import open_model
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
 
@@ -22,11 +23,13 @@ from zeroshard.toolkit.progress import byte_bar
 @output_transaction
 def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
           quiet: bool = True) -> Manifest:
-    """Write the model at `src` as a `world_size`-rank checkpoint at `out`; returns its manifest."""
+    """Write the model at `src` (safetensors, or a torch.save file read through the allowlist)
+    as a `world_size`-rank checkpoint at `out`; returns its manifest. What of a pickle was left
+    beside the model is in `manifest.extra["source_notes"]`."""
     src, out = os.fspath(src), os.fspath(out)  # any os.PathLike
     if world_size < 1:
         raise ZeroshardError(f"--world must be at least 1, got {world_size}")
-    folder, tensors = open_full_model(src, storage_options)
+    folder, tensors, notes = open_model(src, storage_options)
     by_name = {t.name: t for t in tensors}
     specs = [TensorSpec(t.name, "param", t.dtype, t.shape, "flat" if t.shape else "whole") for t in tensors]
     target = Location(out, storage_options)
@@ -53,6 +56,6 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
                                        durable=False, write_behind=True)
                        for rank in range(world_size)]
     manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
-                              extra={"source": src})
+                              extra={"source": src, **({"source_notes": notes} if notes else {})})
     output.commit_checkpoint(manifest, sync_files=True)
     return manifest
