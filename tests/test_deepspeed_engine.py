@@ -353,3 +353,87 @@ def test_what_the_facade_refuses_is_one_line_naming_the_feature(stage):
     assert not has_offload  # refused attributes are AttributeErrors: feature detection says no
     # stage 3: partitioned parameters show as empty tensors, as DeepSpeed's (which keeps only small ones whole)
     assert bool(empties) == (stage == 3) == partitioned
+
+
+def _save_16bit(rank, world_size, which, stage, bf16, path):
+    """save_16bit_model at the end of a short run, the same code under either library."""
+    if which == "deepspeed":
+        import deepspeed
+    else:
+        import zeroshard.deepspeed as deepspeed
+
+    model = make_model(0)
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero, "bf16": {"enabled": bf16}}
+    if bf16:
+        model.bfloat16()  # DeepSpeed casts parameters, not buffers: the script does it (as the fixtures)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(engine, range(2), rank)
+    facts = {"returned": engine.save_16bit_model(path), "alias": engine.save_fp16_model(path, "old.pt")}
+    if which == "zeroshard":
+        facts["full"] = engine.engine.full_state_dict()  # the native engine's fp32 weights (rank 0)
+    if stage == 3:
+        no_gather = {**cfg, "zero_optimization": {"stage": 3}}
+        second = make_model(0).bfloat16() if bf16 else make_model(0)
+        other, *_ = deepspeed.initialize(model=second, config=no_gather,
+                                         optimizer=torch.optim.AdamW(second.parameters(), lr=1e-2))
+        facts["without_gather"] = other.save_16bit_model(path + "-not")
+    return facts
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
+@pytest.mark.parametrize("stage,bf16", [(1, False), (3, True)])
+def test_save_16bit_model_writes_safetensors_with_deepspeeds_weights(tmp_path, stage, bf16):
+    """DeepSpeed torch.saves pytorch_model.bin; the facade writes the same weights as
+    model.safetensors (the name from_pretrained reads), streamed and atomic."""
+    from safetensors.torch import load_file
+
+    ours = run_ranks(_save_16bit, 2, which="zeroshard", stage=stage, bf16=bf16, path=str(tmp_path / "ours"),
+                     init_process_group=False, timeout=180)
+    theirs = run_ranks(_save_16bit, 2, which="deepspeed", stage=stage, bf16=bf16, path=str(tmp_path / "ds"),
+                       init_process_group=False, env={"DS_ACCELERATOR": "cpu"}, fresh=True, timeout=180)
+    assert [f["returned"] for f in ours] == [f["returned"] for f in theirs] == [True, True]
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["model.safetensors", "old.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["old.pt", "pytorch_model.bin"]
+    mine = load_file(tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(mine["emb.weight"], load_file(tmp_path / "ours" / "old.safetensors")["emb.weight"])
+    deepspeeds = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
+    assert list(mine) == list(deepspeeds)  # the tied head too, under its own name
+    compute = torch.bfloat16 if bf16 else torch.float32
+    for name, tensor in deepspeeds.items():
+        assert mine[name].dtype == tensor.dtype and mine[name].shape == tensor.shape, name
+        if name in dict(make_model(0).named_parameters(remove_duplicate=False)):
+            assert mine[name].dtype == compute
+            assert torch.equal(mine[name], ours[0]["full"][name].to(compute)), name  # the engine's own, exactly
+        assert torch.allclose(mine[name].float(), tensor.float(), rtol=1e-2 if bf16 else 1e-5, atol=1e-6), name
+    if stage == 3:  # without stage3_gather_16bit_weights_on_model_save: nothing saved, as DeepSpeed
+        assert [f["without_gather"] for f in ours] == [f["without_gather"] for f in theirs] == [False, False]
+        assert not (tmp_path / "ours-not").exists()
+
+
+def _save_16bit_into_a_file(rank, world_size, path):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.errors import ZeroshardError
+
+    model = make_model(0)
+    cfg = {"train_micro_batch_size_per_gpu": 4,
+           "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    try:
+        engine.save_16bit_model(path)
+    except ZeroshardError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_save_16bit_model_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
+    """Rank 0 cannot write (save_dir is a file): it goes on with the collective gathers, then
+    every rank raises; none hangs, and the file in the way is untouched."""
+    (tmp_path / "taken").write_text("a file")
+    first, second = run_ranks(_save_16bit_into_a_file, 2, path=str(tmp_path / "taken"), init_process_group=False,
+                              timeout=120)
+    assert first is not None and "taken" in first[1], first
+    assert second is not None and second[0] == "OtherRanksFailedError" and "save_16bit_model" in second[1], second
+    assert (tmp_path / "taken").read_text() == "a file"

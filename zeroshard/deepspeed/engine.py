@@ -24,6 +24,7 @@ from torch import nn
 from zeroshard.checkpointing import RNGState
 from zeroshard.checkpointing.load import UNRESTORED
 from zeroshard.deepspeed.config import map_offload
+from zeroshard.deepspeed.model_file import save_model_file
 from zeroshard.deepspeed.surface import DEEPSPEED_ENGINE_NAMES, refusal
 from zeroshard.errors import CheckpointError, EngineUsageError
 
@@ -324,6 +325,24 @@ class DeepSpeedEngine(nn.Module):
         self.engine.save_checkpoint(os.fspath(save_dir), tag, client_state=dict(client_state or {}),
                                     lr_scheduler=self.lr_scheduler, allow_mid_accumulation=True)
         return True
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The full weights in their compute dtype, one file written by rank 0: safetensors, not a
+        pickle, so `pytorch_model.bin` becomes `model.safetensors` (deepspeed/model_file.py).
+        Collective. At stage 3 without `stage3_gather_16bit_weights_on_model_save`: nothing
+        saved, False, as DeepSpeed (which says so only at info level; this warns)."""
+        if self.engine.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            if self.engine.rank == 0:
+                warnings.warn("save_16bit_model: nothing saved: stage 3 needs zero_optimization."
+                              "stage3_gather_16bit_weights_on_model_save: true, as DeepSpeed", stacklevel=2)
+            return False
+        save_model_file(self.engine, self.module, save_dir, save_filename, exclude_frozen_parameters)
+        return True
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name for save_16bit_model."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -40,9 +40,10 @@ _REASONS = {
     "batch sizes are fixed at initialize() (the engine's accumulation counter depends on them)": (
         "set_train_batch_size", "set_train_micro_batch_size",
     ),
-    "zeroshard never writes pickles: save a checkpoint and run `zeroshard consolidate` for one "
-    "safetensors file": (
-        "save_16bit_model", "save_fp16_model", "load_module_state_dict", "load_universal_checkpoint",
+    "DeepSpeed's own checkpoint loading: load_checkpoint loads zeroshard checkpoints, "
+    "`zeroshard import deepspeed` converts DeepSpeed's (universal ones too), load_state_dict takes a full "
+    "state dict": (
+        "load_module_state_dict", "load_universal_checkpoint",
     ),
     "DeepSpeed's data loader builder: pass training_data= to initialize() instead": ("deepspeed_io",),
 }

@@ -391,6 +391,11 @@ class ZeroEngine:
         """Full fp32 weights plus buffers on rank 0 (CPU tensors, model.state_dict() names); {} elsewhere."""
         return state.full_state_dict(self)
 
+    def full_state_items(self) -> Iterator[tuple[str, Any]]:
+        """full_state_dict() one entry at a time, (name, tensor on rank 0 / None elsewhere), one
+        parameter in memory at a time. Collective: every rank iterates to the end."""
+        return state.full_state_items(self)
+
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load full (unsharded) weights, given on every rank; each rank keeps its range."""
         state.load_full_state_dict(self, state_dict, strict=strict)

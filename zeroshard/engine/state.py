@@ -91,25 +91,43 @@ def _masters_to_params(engine: "EngineView", shards: list) -> None:
 
 def full_state_dict(engine: "EngineView") -> dict[str, Any]:
     """Gather each parameter to rank 0 in turn (one tensor in flight); others return {}."""
+    out = {}
+    for key, value in full_state_items(engine):  # every rank iterates: the gathers are collective
+        if engine.rank == 0:
+            out[key] = value
+    return out
+
+
+def full_state_items(engine: "EngineView") -> Iterator[tuple[str, Any]]:
+    """(name, value) for each entry of model.state_dict(), in order: on rank 0 full CPU tensors
+    (parameters fp32, buffers in their dtype before the engine's cast), elsewhere None.
+    Collective: every rank iterates to the end. A gathered parameter is kept only until its
+    last tied name, so memory holds one tensor (plus tied ones) whatever the model size."""
     refs = engine.module.state_dict(keep_vars=True)
     root = engine.rank == 0
-    out: dict[str, Any] = {}
+    uses: dict[int, int] = {}
+    for value in refs.values():
+        s = engine.shard_of(value)
+        if s is not None:
+            uses[s.index] = uses.get(s.index, 0) + 1
     done: dict[int, torch.Tensor | None] = {}
-    with torch.no_grad():
-        for key, value in refs.items():
-            s = engine.shard_of(value)
-            if s is not None:
-                if s.index not in done:  # tied parameters: gathered once (on every rank)
+    for key, value in refs.items():
+        s = engine.shard_of(value)
+        if s is not None:
+            if s.index not in done:  # tied parameters: gathered once (on every rank)
+                with torch.no_grad():
                     done[s.index] = _gather_full(engine, s)
-                if root:
-                    out[key] = done[s.index]
-            elif root:
-                if torch.is_tensor(value):
-                    dtype = engine.buffer_dtypes.get(key, value.dtype)
-                    out[key] = value.detach().to("cpu", dtype).clone()
-                else:
-                    out[key] = value  # extra state, passed through
-    return out
+            full = done[s.index]
+            uses[s.index] -= 1
+            if not uses[s.index]:
+                del done[s.index]
+            yield key, full
+        elif not root:
+            yield key, None
+        elif torch.is_tensor(value):
+            yield key, value.detach().to("cpu", engine.buffer_dtypes.get(key, value.dtype)).clone()
+        else:
+            yield key, value  # extra state, passed through
 
 
 def _gather_full(engine: "EngineView", s: Any) -> torch.Tensor | None:
