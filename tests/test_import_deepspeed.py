@@ -100,7 +100,8 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
-VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "hf": ("checkpoint-3", False),
+VARIANTS = {"offload": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "bf16_stage3": (".", True),
+            "hf": ("checkpoint-3", False),
             "universal": (".", False), "universal_stage3": (".", False),
             "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
             "frozen_universal_stage3": (".", False), "accelerate": (".", False), "accelerate_lambdalr": (".", False)}
@@ -361,7 +362,7 @@ def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "hf/checkpoint-3", "frozen_stage2",
+@pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "bf16_stage3", "hf/checkpoint-3", "frozen_stage2",
                                    "frozen_stage3"])
 def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
     """DeepSpeed's consolidation (zero_to_fp32) and our import agree on every weight, exactly."""

@@ -14,7 +14,7 @@ DeepSpeed does, without DeepSpeed installed.
 
 Variants: stage1/2/3 (a client torch AdamW); offload (stage 2, `offload_optimizer: cpu` and a
 config AdamW, so DeepSpeedCPUAdam with its int `step`); bf16 (stage 1, bf16 with fp32 gradient
-accumulation: DeepSpeed's BF16_Optimizer, `bf16_zero_pp_rank_*` files); bf16_stage2 (the ZeRO
+accumulation: DeepSpeed's BF16_Optimizer, `bf16_zero_pp_rank_*` files); bf16_stage2 and bf16_stage3 (the ZeRO
 optimizer in bf16, also `bf16_` files); hf (stage 2 saved the way Hugging Face's Trainer does,
 into `checkpoint-3/` with `trainer_state.json` beside `global_step3/`); universal (stage 2
 converted by DeepSpeed's own ds_to_universal, resumed by DeepSpeed with `load_universal`);
@@ -82,6 +82,7 @@ VARIANTS = {
     "offload": {"stage": 2, "offload": True},
     "bf16": {"stage": 1, "bf16": True},
     "bf16_stage2": {"stage": 2, "bf16": True},
+    "bf16_stage3": {"stage": 3, "bf16": True},
     "fp16": {"stage": 2, "fp16": True},
     "stage3_subgroups": {"stage": 3, "sub_group_size": 20, "groups": True},
     "universal_stage3_subgroups": {"stage": 3, "sub_group_size": 20, "groups": True, "universal": True},
