@@ -13,7 +13,8 @@ STEPS_AFTER steps: DeepSpeed's own resume. expected.json records all three loss 
 DeepSpeed does, without DeepSpeed installed.
 
 Variants: stage1/2/3 (a client torch AdamW); offload (stage 2, `offload_optimizer: cpu` and a
-config AdamW, so DeepSpeedCPUAdam with its int `step`); bf16 (stage 1, bf16 with fp32 gradient
+config AdamW, so DeepSpeedCPUAdam with its int `step`); offload_stage3 (stage 3 offloading
+both the optimizer and the parameters to the CPU); bf16 (stage 1, bf16 with fp32 gradient
 accumulation: DeepSpeed's BF16_Optimizer, `bf16_zero_pp_rank_*` files); bf16_stage2 and bf16_stage3 (the ZeRO
 optimizer in bf16, also `bf16_` files); hf (stage 2 saved the way Hugging Face's Trainer does,
 into `checkpoint-3/` with `trainer_state.json` beside `global_step3/`); universal (stage 2
@@ -80,6 +81,7 @@ UNIVERSAL_FOLDER = f"{TAG}_universal"
 VARIANTS = {
     "stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
     "offload": {"stage": 2, "offload": True},
+    "offload_stage3": {"stage": 3, "offload": True, "offload_param": True},
     "bf16": {"stage": 1, "bf16": True},
     "bf16_stage2": {"stage": 2, "bf16": True},
     "bf16_stage3": {"stage": 3, "bf16": True},
@@ -121,6 +123,8 @@ def ds_config(variant: dict, resume: bool = False) -> dict:
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if variant.get("offload"):  # DeepSpeed then builds DeepSpeedCPUAdam from the config's optimizer
         zero["offload_optimizer"] = {"device": "cpu"}
+        if variant.get("offload_param"):
+            zero["offload_param"] = {"device": "cpu"}
         config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": 1e-8,
                                                            "weight_decay": WEIGHT_DECAY}}
     if variant.get("bf16"):
