@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
 from zeroshard.interop.dcp_import import read_dcp
+from zeroshard.interop.imported import LazyTensor
 
 from distributed import run_ranks
 from interop_model import batch, make_model, make_optimizer, mean_over_ranks, zeroshard_resumed_losses
@@ -23,8 +24,9 @@ from interop_model import batch, make_model, make_optimizer, mean_over_ranks, ze
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 
-def _fsdp2(rank, world_size, save=None, load=None, steps=(), clip=0.0):
-    """FSDP2 on CPU/gloo: optionally dcp.load a checkpoint, train `steps`, optionally dcp.save."""
+def _fsdp2(rank, world_size, save=None, load=None, steps=(), clip=0.0, writer=None):
+    """FSDP2 on CPU/gloo: optionally dcp.load a checkpoint, train `steps`, optionally dcp.save
+    (with a FileSystemWriter of these `writer` options)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,7 +51,10 @@ def _fsdp2(rank, world_size, save=None, load=None, steps=(), clip=0.0):
         losses.append(mean_over_ranks(loss))
         if save is not None and step == 2:
             msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
+            if writer is None:
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
+            else:
+                dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(save, **writer))
     return losses
 
 
@@ -71,6 +76,27 @@ def test_import_dcp_resumes_like_fsdp2(tmp_path, fsdp_checkpoint):
     imp = read_dcp(str(folder))
     assert imp.aliases == {"head.weight": "emb.weight"} and list(imp.buffers) == ["scale"]
     assert imp.global_steps == 3 and imp.param_groups[0]["params"][0] == "emb.weight"
+
+
+def test_dcp_writer_options_import_the_same_tensors(tmp_path, fsdp_checkpoint):
+    """A file per tensor (single_file_per_rank=False), several writer threads: other files, the same
+    checkpoint, bit for bit."""
+    folder, _ = fsdp_checkpoint
+    base = read_dcp(str(folder))
+    for options in ({"single_file_per_rank": False}, {"thread_count": 3, "sync_files": False}):
+        save = tmp_path / "_".join(map(str, options))
+        run_ranks(_fsdp2, 2, save=str(save), steps=range(3), writer=options, timeout=180)
+        assert len(list(save.glob("*.distcp"))) > 2  # not the default layout: one file per rank
+        got = read_dcp(str(save))
+        assert sorted(got.params) == sorted(base.params) and got.aliases == base.aliases
+        def full(value):
+            return value.materialize() if isinstance(value, LazyTensor) else torch.as_tensor(value)
+
+        for name, tensor in base.params.items():
+            assert torch.equal(full(got.params[name]), full(tensor)), (options, name)
+        for name, state in base.optimizer_state.items():
+            for key, value in state.items():
+                assert torch.equal(full(got.optimizer_state[name][key]), full(value)), (options, name, key)
 
 
 def test_export_dcp_goes_back_to_fsdp2(tmp_path):
