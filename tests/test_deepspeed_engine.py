@@ -437,3 +437,40 @@ def test_save_16bit_model_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
     assert first is not None and "taken" in first[1], first
     assert second is not None and second[0] == "OtherRanksFailedError" and "save_16bit_model" in second[1], second
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def _module_after_step(rank, world_size, stage):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.deepspeed.ops.adam import FusedAdam
+    from zeroshard.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    model = make_model(0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    engine, optimizer, *_ = deepspeed.initialize(model=model, config=cfg,
+                                                 optimizer=FusedAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.95)))
+    _train(engine, range(2), rank)
+    full = engine.engine.full_state_dict()  # from the fp32 masters (rank 0)
+    facts = {"optimizer": type(optimizer).__name__, "defaults": {k: optimizer.defaults[k] for k in ("betas", "eps")}}
+    if stage < 3:  # read straight after step(), on rank 0 only, as scripts do
+        state = engine.module.state_dict() if rank == 0 else {}
+        facts["current"] = all(torch.equal(state[k], v) for k, v in full.items()) if rank == 0 else True
+    else:
+        weight = engine.module.fc.weight
+        facts["tags"] = (weight.ds_id >= 0, weight.ds_numel == 25, tuple(weight.ds_shape) == (5, 5),
+                         weight.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+        with deepspeed.zero.GatheredParameters([weight]):
+            inside = weight.ds_status == ZeroParamStatus.AVAILABLE
+            kept = weight.data.cpu()  # the same tensor on the CPU: it must outlive the block
+        facts["gathered"] = (inside, weight.ds_status == ZeroParamStatus.NOT_AVAILABLE,
+                             rank != 0 or torch.equal(kept, full["fc.weight"]))
+    return facts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_module_is_current_after_step_and_stage_3_params_carry_deepspeeds_tags(stage):
+    for facts in run_ranks(_module_after_step, 2, stage=stage, init_process_group=False):
+        assert facts["optimizer"] == "AdamW" and facts["defaults"] == {"betas": (0.9, 0.95), "eps": 1e-8}
+        if stage < 3:
+            assert facts["current"]  # not the weights from before the last step
+        else:
+            assert facts["tags"] == (True, True, True, True) and facts["gathered"] == (True, True, True)

@@ -48,3 +48,28 @@ def test_parameter_gathers_overlap_the_next_forward(stage: int) -> None:
         assert not r["fc2_saw_old_weights"]  # the module waited for its own bucket
         assert 0 < r["done_at_fc2"] < r["buckets"]  # ... and not for the later ones
         assert not r["pending_after_forward"] and r["params_equal_masters"]
+
+
+def stale_state_dict(rank: int, world: int) -> dict[str, Any]:
+    model = make_model()
+    engine = zeroshard.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": 2, "allgather_bucket_size": 3000}})
+    x, y = micro_batch(batches(1, 8)[0], rank, world, 0, 1)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    out: dict[str, Any] = {}
+    try:  # what `torch.save(engine.module.state_dict())` on rank 0 would read: the weights before the step
+        model.state_dict()
+        out["refused"] = None
+    except zeroshard.ZeroshardError as exc:
+        out["refused"] = str(exc)
+    full = engine.full_state_dict()  # collective: completes the gathers itself
+    state = model.state_dict()
+    out["equal_after"] = rank != 0 or all(torch.equal(state[n], full[n]) for n in full)
+    return out
+
+
+def test_a_module_state_dict_with_gathers_in_flight_is_refused_not_stale() -> None:
+    for r in run_ranks(stale_state_dict, 2):
+        assert r["refused"] and "engine.wait_params() on every rank" in r["refused"], r
+        assert r["equal_after"]

@@ -1,9 +1,10 @@
 """Regenerate tests/data/deepspeed_examples/: per-step losses of the DeepSpeed example scripts
-(samples/gpt_pretrain_deepspeed.py, samples/bert_mlm_deepspeed.py) under real DeepSpeed, at
-world 2 on gloo, ZeRO stages 1-3, a fresh run that saves and a run that resumes from it.
+(samples/gpt_pretrain_deepspeed.py, samples/bert_mlm_deepspeed.py, samples/sft_deepspeed_chat.py)
+under real DeepSpeed, at world 2 on gloo, ZeRO stages 1-3, a fresh run that saves and a run that
+resumes from it.
 
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu .venv/bin/pip install -c tools/constraints.txt --no-build-isolation deepspeed
-    .venv/bin/python tools/make_deepspeed_example_references.py [OUT_DIR]
+    .venv/bin/python tools/make_deepspeed_example_references.py [OUT_DIR [NAME ...]]   # NAME: only those
 
 tests/test_deepspeed_examples.py runs the same scripts on zeroshard.deepspeed (only the import
 changed, by samples/run_script.py) and compares with these files.
@@ -25,6 +26,8 @@ WORLD = 2
 EXAMPLES = {
     "gpt_pretrain": ("samples/gpt_pretrain_deepspeed.py", ["--save-dir", "{ckpt}"], ["--load-dir", "{ckpt}"]),
     "bert_mlm": ("samples/bert_mlm_deepspeed.py", ["--save-dir", "{ckpt}"], ["--load-dir", "{ckpt}"]),
+    # "resumed" here is DeepSpeed-Chat's next step: a new run from the pytorch_model.bin it saved
+    "sft_deepspeed_chat": ("samples/sft_deepspeed_chat.py", ["--save-dir", "{ckpt}"], ["--load-dir", "{ckpt}"]),
 }
 
 
@@ -56,7 +59,8 @@ def main() -> None:
 
     target = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "tests" / "data" / "deepspeed_examples")
     target.mkdir(parents=True, exist_ok=True)
-    for i, name in enumerate(EXAMPLES):
+    names = sys.argv[2:] or list(EXAMPLES)
+    for i, name in enumerate(names):
         with tempfile.TemporaryDirectory() as work:
             losses = run_example(name, "deepspeed", Path(work), 29731 + i)
         record = {"script": EXAMPLES[name][0], "world_size": WORLD, "deepspeed_version": deepspeed.__version__,

@@ -13,12 +13,16 @@ DeepSpeed's method names. See docs/DEEPSPEED.md for what is supported, ignored a
   zero.py          zero.Init, zero.GatheredParameters
   accelerator.py   get_accelerator()
   comm.py, moe/    the names scripts import from deepspeed.comm and deepspeed.moe.utils
+  ops/adam.py      FusedAdam, DeepSpeedCPUAdam (as torch's AdamW/Adam)
+  runtime/         runtime.zero.partition_parameters.ZeroParamStatus
+  model_file.py    save_16bit_model's safetensors file
 """
 
-from zeroshard.deepspeed import comm, lr_schedules, zero  # noqa: F401
+from zeroshard.deepspeed import comm, lr_schedules, ops, zero  # noqa: F401
+from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.launch import add_config_arguments, init_distributed
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "zero", "comm",
-           "lr_schedules"]
+           "lr_schedules", "ops", "get_accelerator"]

@@ -25,6 +25,8 @@ _OPTIMIZER_OFFLOAD_DROPPED = ("cpuadam_cores_perc", "fast_init", "pipeline_read"
 # DeepSpeed's deprecated booleans (deepspeed/runtime/zero/config.py) -> the section they stand for.
 _DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 _LAYER_KEYS = ("optimizer", "scheduler", "dataloader_drop_last")
+# DeepSpeed sections that do nothing unless `enabled`: dropped when off, refused when on.
+_OFF_UNLESS_ENABLED = {"hybrid_engine": "DeepSpeed-Chat's RLHF generation engine"}
 
 
 @dataclass
@@ -114,7 +116,12 @@ def map_offload(zero: Mapping[str, Any]) -> dict[str, Any]:
 def split_config(config: Any, world: int) -> SplitConfig:
     raw = load_config(config)
     total, micro, gas = batch_sizes(raw, world)
-    engine = {k: v for k, v in raw.items() if k not in _LAYER_KEYS}
+    for key, what in _OFF_UNLESS_ENABLED.items():
+        section = raw.get(key)
+        if isinstance(section, Mapping) and section.get("enabled", False) is not False:
+            raise UnsupportedFeatureError(f"{key}.enabled (DeepSpeed feature: {what}) is not supported by "
+                                          "zeroshard.deepspeed")
+    engine = {k: v for k, v in raw.items() if k not in _LAYER_KEYS and k not in _OFF_UNLESS_ENABLED}
     if isinstance(engine.get("zero_optimization"), Mapping):
         engine["zero_optimization"] = map_offload(engine["zero_optimization"])
     engine.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)

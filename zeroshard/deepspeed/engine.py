@@ -68,11 +68,17 @@ class DeepSpeedEngine(nn.Module):
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """A micro-step; at the boundary the optimizer step, then the scheduler unless fp16 overflowed."""
+        """A micro-step; at the boundary the optimizer step, then the scheduler unless fp16 overflowed.
+
+        After a boundary step the module's parameters hold the new weights, as DeepSpeed's do:
+        scripts read `engine.module` directly (`torch.save(model.module.state_dict())` on rank 0,
+        DeepSpeed-Chat's save_hf_format), which the native engine's parameter all-gathers, left
+        in flight for the next forward (stages 1-2), would otherwise give before the update."""
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
         self.engine.step()
         if boundary:
+            self.engine.wait_params()  # every rank steps: the gathers still to launch are collective
             self._step_applied = self.engine.skipped_steps == skipped
         if boundary and self._step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))

@@ -44,6 +44,7 @@ def save_model_file(engine: Any, module: torch.nn.Module, save_dir: str, save_fi
     engine's full_state_dict gives them) to save_dir as safetensors; returns the file's path.
     Collective: every rank calls it."""
     name = safetensors_name(os.fspath(save_filename))
+    engine.wait_params()  # collective, as this function: the module is read below
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
     layout = []

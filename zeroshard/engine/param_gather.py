@@ -11,6 +11,11 @@ rank 0 saw it (one broadcast, at the first step), so every rank launches the sam
 the same order whatever triggers it.
 `finish()` completes whatever is left: the engine calls it when a forward ends (parameters no
 forward touched), and before anything else reads or writes the module parameters.
+
+A module's `state_dict()` taken while buckets are pending would hold the weights from before the
+step, and nothing would say so (a rank-0 `torch.save(engine.module.state_dict())` at the end of
+training): it is refused, naming `wait_params()`. Waiting there instead is not possible: the
+buckets still to launch are collectives, and such calls are often made on one rank only.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import nn
 
 from zeroshard.engine.collectives import Gather, broadcast, buckets, start_gather
 from zeroshard.engine.layout import ParamShard
+from zeroshard.errors import EngineUsageError
 
 
 class ParamRefresh:
@@ -43,6 +49,7 @@ class ParamRefresh:
             mine = [position[id(p)] for p in m.parameters(recurse=False) if id(p) in position]
             if mine:
                 self.handles.append(m.register_forward_pre_hook(partial(self._pre_forward, mine)))
+                self.handles.append(m.register_state_dict_pre_hook(self._refuse_stale))
 
     def inflight_bytes(self) -> int:
         """Bytes of gather buffers launched and not yet copied into the parameters."""
@@ -94,6 +101,12 @@ class ParamRefresh:
 
     def finish(self) -> None:
         self.wait_for(len(self.buckets) - 1)
+
+    def _refuse_stale(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.done < len(self.buckets):
+            raise EngineUsageError(f"state_dict() of {type(module).__name__} while the parameters updated by the last "
+                                   "step are still being gathered (stages 1-2): call engine.wait_params() on every "
+                                   "rank first (or save with engine.save_checkpoint / engine.full_state_dict())")
 
     def _pre_forward(self, mine: list[int], module: nn.Module, args: Any) -> None:
         if self._seen is not None:

@@ -103,6 +103,7 @@ def full_state_items(engine: "EngineView") -> Iterator[tuple[str, Any]]:
     (parameters fp32, buffers in their dtype before the engine's cast), elsewhere None.
     Collective: every rank iterates to the end. A gathered parameter is kept only until its
     last tied name, so memory holds one tensor (plus tied ones) whatever the model size."""
+    engine.wait_params()  # stages 1-2: the module's buffers and names are read below
     refs = engine.module.state_dict(keep_vars=True)
     root = engine.rank == 0
     uses: dict[int, int] = {}

@@ -1,0 +1,1 @@
+"""deepspeed.runtime: only the names training scripts import from it (runtime/zero/)."""
