@@ -100,8 +100,8 @@ def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
 
 
 # variant fixture -> (what to pass to `import deepspeed`, bf16 compute)
-VARIANTS = {"offload": (".", False), "offload_stage3": (".", False), "bf16": (".", True), "bf16_stage2": (".", True), "bf16_stage3": (".", True),
-            "hf": ("checkpoint-3", False),
+VARIANTS = {"offload": (".", False), "offload_stage3": (".", False), "bf16": (".", True),
+            "bf16_stage2": (".", True), "bf16_stage3": (".", True), "hf": ("checkpoint-3", False),
             "universal": (".", False), "universal_stage3": (".", False),
             "frozen_stage1": (".", False), "frozen_stage2": (".", False), "frozen_stage3": (".", False),
             "frozen_universal_stage3": (".", False), "accelerate": (".", False), "accelerate_lambdalr": (".", False)}
