@@ -175,3 +175,32 @@ def test_a_pickled_model_on_s3_shards_to_s3(tmp_path, s3_bucket):
     for ckpt in ("local", "ckpt"):
         consolidate(f"{s3_bucket}/{ckpt}", str(tmp_path / f"{ckpt}.safetensors"))
         assert_same(load_file(tmp_path / f"{ckpt}.safetensors"), state)
+
+
+def test_a_ddp_state_dict_sheds_its_prefix_and_load_pretrained_says_how(tmp_path):
+    """`torch.save(ddp_model.state_dict())` names every tensor `module.*`: load_pretrained into the
+    bare model names the prefix and the fix, `shard --strip-prefix` applies it."""
+    state = make_model(seed=4).state_dict()
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.pt")
+    error = run_ranks(pretrained_error, 2, timeout=120, path=str(tmp_path / "ddp.pt"))[0]
+    assert "starts with 'module.'" in error and "--strip-prefix module." in error, error
+    code, _, err = cli("shard", str(tmp_path / "ddp.pt"), str(tmp_path / "ckpt"), "--world", "2",
+                       "--strip-prefix", "module.", "-q")
+    assert code == 0, err
+    consolidate(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
+    assert_same(load_file(tmp_path / "out.safetensors"), state)
+    torch.save({"module.w": torch.ones(2), "w": torch.zeros(2)}, tmp_path / "clash.pt")
+    code, _, err = cli("shard", str(tmp_path / "clash.pt"), str(tmp_path / "clash"), "--world", "2",
+                       "--strip-prefix", "module.", "-q")
+    assert code == 1 and "makes 'module.w' and 'w' both 'w'" in err and not (tmp_path / "clash").exists(), err
+
+
+def pretrained_error(rank: int, world: int, path: str) -> str | None:
+    model = make_model(seed=9)
+    engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config={"zero_optimization": {"stage": 3}})
+    try:
+        engine.load_pretrained(path)
+    except zeroshard.ZeroshardError as exc:
+        return str(exc)
+    return None

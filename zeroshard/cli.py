@@ -96,9 +96,13 @@ def main() -> None:
 @click.argument("src")
 @click.argument("out")
 @click.option("--world", "--to", "world_size", type=int, required=True, help="Number of ranks to shard for.")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX",
+              help="Remove PREFIX from the start of tensor names (repeatable; the first that matches), e.g. "
+                   "DDP's 'module.' or torch.compile's '_orig_mod.'.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options: dict, quiet: bool) -> None:
+def shard(src: str, out: str, world_size: int, strip_prefix: tuple[str, ...], overwrite: bool, storage_options: dict,
+          quiet: bool) -> None:
     """Split a full model into a WORLD-rank checkpoint (weights only).
 
     SRC is one .safetensors file or an HF-style folder (model.safetensors.index.json plus
@@ -109,7 +113,8 @@ def shard(src: str, out: str, world_size: int, overwrite: bool, storage_options:
     """
     from zeroshard.toolkit.shard import shard as run
 
-    manifest = run(src, out, world_size, overwrite=overwrite, storage_options=storage_options, quiet=quiet)
+    manifest = run(src, out, world_size, overwrite=overwrite, storage_options=storage_options, quiet=quiet,
+                   strip_prefix=list(strip_prefix))
     for note in manifest.extra.get("source_notes", []):
         click.echo(f"note: {note}")
     n = sum(t.numel for t in manifest.tensors.values())

@@ -127,8 +127,12 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             continue
         first = longer[0]
         prefix = next((first[:-len(n)] for n in shorter if first.endswith("." + n)), None)
+        stripped = {n[len(prefix):] for n in longer} if prefix else set()
+        # one side may hold a tied weight under both names (a full model) where the other counts it once
         if prefix and all(n.startswith(prefix) for n in longer) \
-                and sorted(n[len(prefix):] for n in longer) == sorted(shorter):
+                and (set(shorter) <= stripped or stripped <= set(shorter)):
+            fix = (f" (`zeroshard shard FULL_MODEL OUT --world N --strip-prefix {prefix}` renames a full model's)"
+                   if side == "the checkpoint's" else "")
             return (f"every one of {side} tensor names starts with {prefix!r} and the other side's do not: "
-                    "a wrapper such as torch.compile or DDP around one model?")
+                    f"a wrapper such as torch.compile or DDP around one model?{fix}")
     return ""

@@ -78,18 +78,24 @@ def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exc
     chosen = set(select(names, include or None, exclude))
     if not chosen:
         raise ZeroshardError(f"{url}: --include/--exclude leave no tensor to write")
-    out: list[OutputTensor] = []
+    kept = [t for t in tensors if t.name in chosen]
+    return [OutputTensor(new, t.source, t.dtype)
+            for t, new in zip(kept, stripped_names(url, [t.name for t in kept], strip_prefix))]
+
+
+def stripped_names(url: str, names: list[str], strip_prefix: list[str] | None) -> list[str]:
+    """`names`, each without the first of `strip_prefix` it starts with; a name left empty, or two
+    names made one, is an error naming them."""
+    out: list[str] = []
     seen: dict[str, str] = {}
-    for t in tensors:
-        if t.name not in chosen:
-            continue
-        new = strip(t.name, strip_prefix or [])
+    for name in names:
+        new = strip(name, strip_prefix or [])
         if not new:
-            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {t.name!r} with an empty name")
+            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {name!r} with an empty name")
         if new in seen:
-            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {t.name!r} both {new!r}")
-        seen[new] = t.name
-        out.append(OutputTensor(new, t.source, t.dtype))
+            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {name!r} both {new!r}")
+        seen[new] = name
+        out.append(new)
     return out
 
 

@@ -5,6 +5,7 @@ Each rank file is streamed from ranged reads of the source: memory stays at one 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from contextlib import ExitStack
@@ -18,18 +19,22 @@ from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.interop.pickled_model import open_model
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
+from zeroshard.toolkit.selection import stripped_names
 
 
 @output_transaction
 def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, storage_options: dict | None = None,
-          quiet: bool = True) -> Manifest:
+          quiet: bool = True, strip_prefix: list[str] | None = None) -> Manifest:
     """Write the model at `src` (safetensors, or a torch.save file read through the allowlist)
     as a `world_size`-rank checkpoint at `out`; returns its manifest. What of a pickle was left
-    beside the model is in `manifest.extra["source_notes"]`."""
+    beside the model is in `manifest.extra["source_notes"]`. `strip_prefix`: tensor names lose the
+    first of these prefixes they start with (DDP's `module.`, torch.compile's `_orig_mod.`)."""
     src, out = os.fspath(src), os.fspath(out)  # any os.PathLike
     if world_size < 1:
         raise ZeroshardError(f"--world must be at least 1, got {world_size}")
     folder, tensors, notes = open_model(src, storage_options)
+    names = stripped_names(src, [t.name for t in tensors], strip_prefix)
+    tensors = [dataclasses.replace(t, name=name) for t, name in zip(tensors, names)]
     by_name = {t.name: t for t in tensors}
     specs = [TensorSpec(t.name, "param", t.dtype, t.shape, "flat" if t.shape else "whole") for t in tensors]
     target = Location(out, storage_options)
