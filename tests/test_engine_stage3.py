@@ -92,3 +92,29 @@ def test_stage3_gathers_only_the_running_units(unit_classes: list[str]) -> None:
             assert "blocks.0" in seen["units"] and "blocks.0.fc1" not in seen["units"]
         else:
             assert "blocks.0" in seen["units"] and "blocks.0.fc1" in seen["units"]
+
+
+def released_state_dict(rank: int, world: int) -> dict[str, Any]:
+    model = make_model()
+    engine = zeroshard.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                  {"zero_optimization": {"stage": 3}})
+    x, y = micro_batch(batches(1, 8)[0], rank, world, 0, 1)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    out: dict[str, Any] = {}
+    try:  # `torch.save(engine.module.state_dict())`: full shapes, no data, a file that cannot be loaded
+        model.state_dict()
+        out["refused"] = None
+    except zeroshard.ZeroshardError as exc:
+        out["refused"] = str(exc)
+    out["full"] = sorted(engine.full_state_dict())  # the way to the weights
+    out["own_reads"] = len(model.state_dict(keep_vars=True))  # the engine's own reads are untouched
+    return out
+
+
+def test_a_stage_3_module_state_dict_of_partitioned_parameters_is_refused() -> None:
+    first, second = run_ranks(released_state_dict, 2)
+    for r in (first, second):
+        assert r["refused"] and "is partitioned" in r["refused"] and "engine.full_state_dict()" in r["refused"], r
+        assert r["own_reads"] > 0
+    assert first["full"] and second["full"] == []

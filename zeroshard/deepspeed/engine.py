@@ -142,10 +142,10 @@ class DeepSpeedEngine(nn.Module):
                       "choose bf16/fp16 in the config)")
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """`module.`-prefixed, as DeepSpeed's engine. Stage 3: parameters are partitioned, so their
-        entries are empty tensors (DeepSpeed's too, above stage3_param_persistence_threshold)."""
-        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return self._released_as_empty(out, prefix + "module.")
+        """`module.`-prefixed, as DeepSpeed's engine. Stage 3: partitioned parameters are empty
+        tensors (DeepSpeed's too, above stage3_param_persistence_threshold), as the module's own
+        state_dict() shows them under this layer (initialize.py)."""
+        return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> Any:
@@ -154,14 +154,6 @@ class DeepSpeedEngine(nn.Module):
             for name, p in self.module.named_parameters():
                 if not p.requires_grad:
                     out.pop(prefix + name, None)
-        return self._released_as_empty(out, prefix)
-
-    def _released_as_empty(self, out: Any, prefix: str) -> Any:
-        if self.engine.stage == 3:
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                key = prefix + name
-                if key in out and p.untyped_storage().size() == 0:  # released: no data to show
-                    out[key] = torch.empty(0, dtype=p.dtype, device=p.device)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

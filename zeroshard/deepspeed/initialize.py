@@ -67,6 +67,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     import zeroshard
 
     native = zeroshard.initialize(model=model, optimizer=opt, config=split.engine)
+    if native.stage3_scheduler is not None:  # `model.module.state_dict()` shows partitioned ones empty, as DeepSpeed
+        native.stage3_scheduler.released_in_state_dict = "empty"
     register_engine(native)
 
     if lr_scheduler is not None:

@@ -17,7 +17,8 @@ All hooks are registered in `Stage3.__init__`:
 - forward hook:      free the unit, and hook its outputs' gradients (pre-backward);
 - pre-backward:      gather the unit again (first output gradient to arrive), prefetch the next;
 - grad_done():       called by the engine's post-accumulate-grad hook; when every trainable
-                     parameter of a unit has its gradient, the unit is freed.
+                     parameter of a unit has its gradient, the unit is freed;
+- state_dict post-hook: a released parameter in `module.state_dict()` (released_in_state_dict).
 Whatever is still gathered when backward ends (frozen units, unused parameters) is freed then.
 "Next" comes from the order recorded in the first forward and the first backward through the
 engine (backward is recorded rather than assumed to be reversed forward: an enclosing unit's
@@ -39,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 from zeroshard.engine.collectives import Gather, start_gather
 from zeroshard.engine.layout import ParamShard
 from zeroshard.engine.param_offload import ResidentTier
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, EngineUsageError
 
 
 @dataclass(eq=False)
@@ -133,6 +134,28 @@ class Stage3:
         for u in self.units:
             self.handles.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u)))
             self.handles.append(u.module.register_forward_hook(partial(self._post_forward, u)))
+        for m in module.modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                # (a partial: torch marks the hook object, which a bound method refuses)
+                self.handles.append(m.register_state_dict_post_hook(partial(Stage3._released_entries, self)))
+
+    # What `module.state_dict()` shows of a released parameter (the engine's own reads use
+    # keep_vars=True and get the parameter itself): its tensor has the full shape and no storage,
+    # so saved it could not be loaded back. "refuse" (the default) raises, naming what to use;
+    # "empty" gives an empty tensor, as DeepSpeed shows a partitioned one (the DeepSpeed layer's choice).
+    released_in_state_dict = "refuse"
+
+    def _released_entries(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            entry = state_dict.get(prefix + name)
+            if entry is None or entry is p or p.untyped_storage().size() != 0:
+                continue  # not there, keep_vars=True, or gathered right now (inside forward)
+            if self.released_in_state_dict == "empty":
+                state_dict[prefix + name] = torch.empty(0, dtype=p.dtype, device=p.device)
+            else:
+                raise EngineUsageError(f"module.state_dict() at stage 3: {prefix + name} is partitioned (full shape, "
+                                       "no data; saved, it could not be loaded back): use engine.full_state_dict() "
+                                       "on every rank, or save_checkpoint and `zeroshard consolidate`")
 
     # -- gather / free ---------------------------------------------------------------------
 
