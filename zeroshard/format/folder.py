@@ -9,11 +9,10 @@ a `latest` file, which moves only after that commit.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
-from zeroshard.format.full_model import is_trainer_checkpoint
+from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -96,7 +95,7 @@ def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, s
             continue  # not a readable folder: no hint from it
     if is_trainer_checkpoint(names):
         return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)", "dcp", location.url
-    runs = sorted((n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n)), key=lambda n: int(n[11:]))
+    runs = trainer_checkpoints(names)
     if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are
         inner = foreign_checkpoint_kind(location.child(runs[-1]), _depth + 1)
         if inner is not None:

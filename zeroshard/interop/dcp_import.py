@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
-from zeroshard.format.full_model import is_trainer_checkpoint
+from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
@@ -107,7 +107,7 @@ def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
         per_rank = next((n for n in names if _PER_RANK_PICKLE.fullmatch(n)), None)
         why = (f"; {per_rank} is a per-rank torch.save of DTensor shards (Accelerate's SHARDED_STATE_DICT with "
                "use_dcp=False), which is not read: save with DCP (the default) or FULL_STATE_DICT" if per_rank else "")
-        runs = sorted(n for n in names if re.fullmatch(r"checkpoint-\d{1,12}", n))
+        runs = trainer_checkpoints(names)
         if "optimizer.bin" in names and any(re.fullmatch(r"model(?:_\d+)?\.safetensors", n) for n in names):
             why = ("; it is an Accelerate save_state without FSDP or DeepSpeed: optimizer.bin keys its state by "
                    "parameter index, in the order your script built its param groups, which no file records, so it "

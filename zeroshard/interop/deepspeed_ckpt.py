@@ -36,7 +36,7 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError
-from zeroshard.format.full_model import is_trainer_checkpoint
+from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.beside import carry_beside, is_beside
 from zeroshard.interop.deepspeed_common import (
@@ -50,7 +50,6 @@ from zeroshard.interop.imported import Flat, Imported, is_tensor
 from zeroshard.interop.torch_pickle import read_small_file
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Files of layouts whose weights live outside the files read here: an import would exit having
 # lost them (MoE experts: layer_L_expert_E_... / expert_E_... and expp_rank_... optimizer files;
 # pipeline stages: layer_NN-model_MM-model_states.pt), so they are refused by name.
@@ -97,9 +96,8 @@ def resolve(src: str, runs_allowed: bool = True) -> tuple[str, str]:
             raise CheckpointError(files.join(src, "latest_universal"), f"names {posixpath.basename(folder)!r}, "
                                   "which has no zero/optimizer_state.pt (not a universal checkpoint)")
         return "universal", folder
-    runs = sorted((n for n in names if runs_allowed and _HF_CHECKPOINT.match(n) and len(n) < 40
-                   and files.isdir(files.join(src, n)) and not files.islink(files.join(src, n))),
-                  key=lambda n: int(n.split("-", 1)[1]))
+    runs = [n for n in trainer_checkpoints(names) if runs_allowed
+            and files.isdir(files.join(src, n)) and not files.islink(files.join(src, n))]
     if len(runs) == 1:
         return resolve(files.join(src, runs[0]), runs_allowed=False)
     if runs:
