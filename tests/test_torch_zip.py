@@ -76,6 +76,20 @@ def test_every_tensor_equals_torch_load(tmp_path, lazy_bytes):
     _same(got, theirs)
 
 
+@pytest.mark.parametrize("lazy_bytes", [0, 1 << 40])
+def test_a_dict_the_pickle_holds_twice_is_read_once(tmp_path, lazy_bytes):
+    """Both places get the same tensors (the second visit once took the tensors the first had
+    read for meta ones: "holds a torch.strided tensor; only dense tensors are read")."""
+    shared = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}
+    path = _saved(tmp_path, {"model": shared, "ema": shared, "step": 3})
+    got = torch_zip.load_lazy(str(path), lazy_bytes=lazy_bytes)
+    assert got["model"] is got["ema"] and got["step"] == 3
+    for name, tensor in shared.items():
+        assert torch.equal(materialize(got["model"][name]), tensor), name
+    located = torch_zip.locate(str(path), str(tmp_path))
+    assert located["model"]["w"] == torch_zip.StoredTensor((2, 3), torch.float32, located["model"]["w"].offset, 24)
+
+
 def test_a_range_reads_only_its_bytes(tmp_path, bytes_read):
     path = _saved(tmp_path, {"w": torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)})
     read = bytes_read
