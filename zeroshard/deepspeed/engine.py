@@ -1,8 +1,9 @@
 """DeepSpeedEngine: DeepSpeed's engine surface over a native ZeroEngine.
 
 Like DeepSpeed's, the engine is an nn.Module whose one submodule is the wrapped model,
-`module`: parameters(), named_parameters(), state_dict() keys (`module.`-prefixed), modules(),
-buffers(), forward hooks and train()/eval() behave as on DeepSpeed's engine. Training is
+`module`: parameters(), named_parameters(), state_dict() keys (`module.`-prefixed; at stage 3
+partitioned parameters are empty tensors, set up in initialize.py), modules(), buffers(),
+forward hooks and train()/eval() behave as on DeepSpeed's engine. Training is
 delegated to the native engine (`.engine`); what differs from the native API is DeepSpeed's
 spelling: batch sizes and flags are methods, the LR scheduler is stepped inside step() after
 every applied optimizer step, save_checkpoint returns True, load_checkpoint returns
@@ -140,12 +141,6 @@ class DeepSpeedEngine(nn.Module):
         # half(), float(), bfloat16(), double(), type(), to_empty(): the native engine owns the storage
         raise refusal("half()/float()/bfloat16()/double()/type() (casting the engine's parameters: "
                       "choose bf16/fp16 in the config)")
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """`module.`-prefixed, as DeepSpeed's engine. Stage 3: partitioned parameters are empty
-        tensors (DeepSpeed's too, above stage3_param_persistence_threshold), as the module's own
-        state_dict() shows them under this layer (initialize.py)."""
-        return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> Any:

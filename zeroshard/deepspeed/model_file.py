@@ -54,10 +54,8 @@ def save_model_file(engine: Any, module: torch.nn.Module, save_dir: str, save_fi
                                           "which a safetensors file cannot hold")
         if exclude_frozen_parameters and key in frozen:
             continue
-        shard = engine.shard_of(value)
-        shape = tuple(shard.shape) if shard is not None else tuple(value.shape)
         dtype = dtypes[key] if key in dtypes else engine.buffer_dtypes.get(key, value.dtype)
-        layout.append((key, dtype, shape))
+        layout.append((key, dtype, tuple(value.shape)))  # stage 3 keeps a released parameter's shape
     root = engine.rank == 0
     folder = Location(os.fspath(save_dir))
     error: BaseException | None = None

@@ -48,9 +48,9 @@ def open_model(url: str, storage_options: dict | None = None) -> tuple[Location,
         if target.exists() and not target.isdir():
             if target.read_bytes("", 0, 4) != _ZIP_MAGIC:
                 return (*open_full_model(url, storage_options), [])
-            folder = Location(split_file_url(url)[0], storage_options)
-            tensors, notes = _pickled_file(folder, split_file_url(url)[1], shown=url)
-            return folder, tensors, notes
+            parent, name = split_file_url(url)
+            folder = Location(parent, storage_options)
+            return folder, *_pickled_file(folder, name, shown=url)
         names = target.list()
         if HF_INDEX_NAME not in names and HF_SINGLE_NAME not in names:
             if PICKLED_INDEX_NAME in names:
