@@ -161,7 +161,8 @@ def _initialize_errors(rank, world_size):
     import zeroshard.deepspeed as deepspeed
 
     errors = []
-    for kwargs in ({"config": {"train_batch_size": 4}},  # no optimizer anywhere
+    # no optimizer anywhere at stage 1 (at stages 0 and 3: an inference engine, test_engine_inference.py)
+    for kwargs in ({"config": {"train_batch_size": 4, "zero_optimization": {"stage": 1}}},
                    {"config": {**CONFIG}, "optimizer": torch.optim.SGD(make_model().parameters(), lr=0.1)},
                    {"config": CONFIG, "args": argparse.Namespace(deepspeed_config="x.json")},
                    {"config": CONFIG, "mpu": object()}):

@@ -100,11 +100,12 @@ def _scheduler(lr_scheduler: Any) -> dict[str, Any]:
 
 
 def initialize(model: nn.Module,
-               optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+               optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
                config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
                init_fn: Callable[[nn.Module], None] | None = None) -> CheckpointingEngine:
     """Wrap `model` and `optimizer` in an engine (see zeroshard.engine.initialize) that can also
-    save and load checkpoints."""
+    save and load checkpoints. optimizer=None: an engine for inference (forward, loads of
+    weights, full_state_dict; no backward, step or save_checkpoint)."""
     engine = _initialize_engine(model, optimizer, config, init_fn=init_fn, engine_class=CheckpointingEngine)
     assert isinstance(engine, CheckpointingEngine)
     return engine

@@ -36,7 +36,7 @@ from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
 from zeroshard.checkpointing.tiers import TierPolicy
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, EngineUsageError
 from zeroshard.format import CheckpointReader
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.peers import host_name
@@ -73,7 +73,8 @@ class Checkpointer:
         self._eager, self._lazy = Snapshot(), Snapshot()  # async-save copies, reused from save to save
         self._background: BackgroundSave | None = None
         # copy-on-write (snapshot.py): a step must not change what a background save still reads
-        engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_state_change())
+        if engine.optimizer is not None:  # (an inference engine's state changes only by loads)
+            engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_state_change())
         _LIVE.add(self)  # joined at exit; held weakly, so a dropped Checkpointer frees its engine and group
 
     def save(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
@@ -85,6 +86,10 @@ class Checkpointer:
         save, load, wait() or exit joins it and raises its error). `stateful`: more objects,
         for this call only. Raises CheckpointSaveError on every rank if any rank failed."""
         path = os.fspath(path)  # any os.PathLike
+        if self.engine.optimizer is None:  # the same on every rank: all refuse
+            raise EngineUsageError("save_checkpoint on an engine built without an optimizer (for inference): a "
+                                   "checkpoint holds training state; write its weights with engine.full_state_items() "
+                                   "(zeroshard.deepspeed: save_16bit_model)")
         self.wait()
         objects, tag = self._objects_and_tag(tag, stateful)
         if keep_last is not None and keep_last < 1:

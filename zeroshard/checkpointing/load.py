@@ -61,7 +61,9 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
                     load_optimizer_states: bool = True, stateful: Mapping[str, Any] | None = None,
                     storage_options: dict | None = None) -> Any:
     """Load a zeroshard checkpoint into `engine` and the `stateful` objects (by key); returns
-    the saved client_state. Collective on `group`."""
+    the saved client_state. Collective on `group`. An engine without an optimizer (inference)
+    takes the weights, buffers and counters only."""
+    load_optimizer_states = load_optimizer_states and engine.optimizer is not None
     target = engine.checkpoint_state()
     loaded: EngineState | None = None
     rank_states: dict[str, Any] = {}

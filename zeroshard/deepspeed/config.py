@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -113,8 +114,19 @@ def map_offload(zero: Mapping[str, Any]) -> dict[str, Any]:
     return zero
 
 
-def split_config(config: Any, world: int) -> SplitConfig:
-    raw = load_config(config)
+def _drop_dotted_keys(raw: dict[str, Any], warn: bool) -> dict[str, Any]:
+    """Top-level keys such as "zero_optimization.reduce_bucket_size" (TRL's prepare_deepspeed adds
+    them with dict.update): DeepSpeed reads sections, not dotted names, so it ignores them; so do we,
+    saying so, rather than refusing a config DeepSpeed runs."""
+    dotted = [k for k in raw if isinstance(k, str) and "." in k]
+    if dotted and warn:
+        warnings.warn(f"zeroshard.deepspeed: config keys {', '.join(map(repr, dotted))} are ignored, as DeepSpeed "
+                      "ignores them (a dotted name at the top level is not a key inside a section)", stacklevel=4)
+    return {k: v for k, v in raw.items() if k not in dotted}
+
+
+def split_config(config: Any, world: int, warn: bool = True) -> SplitConfig:
+    raw = _drop_dotted_keys(load_config(config), warn)
     total, micro, gas = batch_sizes(raw, world)
     for key, what in _OFF_UNLESS_ENABLED.items():
         section = raw.get(key)
@@ -126,5 +138,8 @@ def split_config(config: Any, world: int) -> SplitConfig:
         engine["zero_optimization"] = map_offload(engine["zero_optimization"])
     engine.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
     engine.setdefault("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
-    return SplitConfig(engine, raw.get("optimizer"), raw.get("scheduler"), micro, gas, total,
+    optimizer = raw.get("optimizer")
+    if isinstance(optimizer, Mapping) and "type" in optimizer and optimizer["type"] is None:
+        optimizer = None  # {"type": null}: no optimizer, as DeepSpeed reads it (TRL's reference models)
+    return SplitConfig(engine, optimizer, raw.get("scheduler"), micro, gas, total,
                        bool(raw.get("dataloader_drop_last", False)), raw)

@@ -218,8 +218,12 @@ class DeepSpeedEngine(nn.Module):
 
     bf16_enabled = bfloat16_enabled
 
+    def _groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups; none for an engine built without one (as DeepSpeed's getters)."""
+        return self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
+
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.engine.optimizer.param_groups]
+        return [g["lr"] for g in self._groups()]
 
     def get_global_grad_norm(self) -> float | None:
         """The pre-clipping global norm of the last step (None when neither clipping nor fp16 computed it)."""
@@ -236,7 +240,7 @@ class DeepSpeedEngine(nn.Module):
         return self.fp16_enabled() and self.loss_scale() == 0
 
     def get_mom(self) -> list[Any]:
-        return [g.get("betas", (g.get("momentum"),))[0] for g in self.engine.optimizer.param_groups]
+        return [g.get("betas", (g.get("momentum"),))[0] for g in self._groups()]
 
     def get_batch_info(self) -> tuple[int, int, int]:
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
@@ -258,7 +262,7 @@ class DeepSpeedEngine(nn.Module):
     def optimizer_name(self) -> str | None:
         """The config's optimizer type; a client optimizer's class name, as DeepSpeed."""
         if self._split.optimizer is None:
-            return type(self.engine.optimizer).__name__
+            return type(self.engine.optimizer).__name__ if self.engine.optimizer is not None else None
         return self._split.optimizer.get("type")
 
     def optimizer_params(self) -> dict | None:

@@ -36,7 +36,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
                collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None,
                **unsupported: Any) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
-    """Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed."""
+    """Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed.
+
+    Without an optimizer (none passed, no 'optimizer' section) the engine is for inference, as
+    DeepSpeed's at stages 0 and 3 (RLHF reference and reward models, an evaluation-only run):
+    forward only, the optimizer and scheduler returned are None, the config's 'scheduler'
+    section unused (DeepSpeed configures one only with an optimizer); stages 1-2 are refused,
+    as DeepSpeed refuses them ("requires an optimizer")."""
     if unsupported:
         raise ArgumentTypeError(f"initialize() got unsupported arguments: {', '.join(sorted(unsupported))}")
     if model is None:
@@ -46,16 +52,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                           "sequence parallelism) is not supported by zeroshard.deepspeed: data "
                                           "parallel only")
     init_distributed(distributed_port=distributed_port)
-    split = split_config(_config_from(args, config, config_params), dist.get_world_size())
+    split = split_config(_config_from(args, config, config_params), dist.get_world_size(), warn=dist.get_rank() == 0)
 
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters()
                                                                           if p.requires_grad]
     if optimizer is not None and split.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section: "
                          "keep one")
-    if optimizer is None:
-        if split.optimizer is None:
-            raise ConfigError("no optimizer: pass optimizer= or give the config an 'optimizer' section")
+    opt: torch.optim.Optimizer | None
+    if optimizer is None and split.optimizer is None:
+        if lr_scheduler is not None:
+            raise ConfigError("initialize(lr_scheduler=...) without an optimizer: a schedule needs one (pass "
+                              "optimizer= or give the config an 'optimizer' section)")
+        opt = None  # an engine for inference
+    elif optimizer is None:
         opt = build_optimizer(split.optimizer, params)
     elif isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
@@ -71,7 +81,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         native.stage3_scheduler.released_in_state_dict = "empty"
     register_engine(native)
 
-    if lr_scheduler is not None:
+    if native.optimizer is None:
+        scheduler = None
+    elif lr_scheduler is not None:
         if split.scheduler is not None:
             warnings.warn("initialize(lr_scheduler=...) given: the config's 'scheduler' section is not used",
                           stacklevel=2)

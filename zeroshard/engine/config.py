@@ -181,6 +181,13 @@ class ZeroConfig:
             raise ConfigError("fp16: need loss_scale >= 0, loss_scale_window >= 1, hysteresis >= 1, "
                               "min_loss_scale > 0")
 
+    def check_for_inference(self) -> None:
+        """An engine without an optimizer: stages 1-2 shard only what an optimizer needs."""
+        if self.stage in (1, 2):  # as DeepSpeed: "zero stage N requires an optimizer"
+            raise ConfigError(f"zero_optimization.stage {self.stage} shards optimizer state (and gradients), and no "
+                              "optimizer was given: for a model used only for inference use stage 3 (parameters "
+                              "sharded) or 0")
+
     @property
     def stage(self) -> int:
         return self.zero_optimization.stage

@@ -67,7 +67,7 @@ def _weak_grad_hook(engine: "ZeroEngine", shard: ParamShard) -> Callable[[torch.
 
 
 def initialize(model: nn.Module,
-               optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+               optimizer: torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
                config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
                init_fn: Callable[[nn.Module], None] | None = None,
                engine_class: type["ZeroEngine"] | None = None) -> "ZeroEngine":
@@ -75,6 +75,10 @@ def initialize(model: nn.Module,
 
     `zeroshard.initialize` is this with engine_class=zeroshard.training.CheckpointingEngine,
     which adds save_checkpoint/load_checkpoint.
+
+    optimizer=None builds an engine for inference (a reference or reward model beside the one
+    being trained): forward only, at stage 0 (replicated) or 3 (partitioned); its partitions hold
+    the compute dtype, not fp32 masters, so stage 3 keeps 2Ψ/N bytes per rank in bf16.
 
     Every rank must call this with the same model structure and config. Input errors found on
     any rank are raised on every rank (nobody is left waiting in a collective).
@@ -88,7 +92,9 @@ def initialize(model: nn.Module,
     try:
         cfg = ZeroConfig.coerce(config)
         _check_model(model)
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is None:
+            cfg.check_for_inference()
+        elif isinstance(optimizer, torch.optim.Optimizer):
             check_user_optimizer(optimizer, model)
         elif not callable(optimizer):
             raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer or a factory, "
@@ -132,7 +138,9 @@ class ZeroEngine:
     schedulers to it), config, rank, world_size, stage, device, gradient_accumulation_steps,
     global_steps (optimizer steps taken), micro_steps (step() calls), skipped_steps (fp16
     overflows), last_grad_norm (pre-clipping global norm, when clipping or fp16 computed it),
-    shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0).
+    shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0),
+    inference (True when built without an optimizer: `optimizer` is then None, and backward and
+    step refuse).
     """
 
     def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device,
@@ -143,6 +151,9 @@ class ZeroEngine:
         self.stage = config.stage
         self.gradient_accumulation_steps = config.resolve_accumulation(self.world_size)
         self.compute_dtype = config.compute_dtype
+        # No optimizer: an engine for forward only. Its "masters" are the parameters' partitions
+        # in the compute dtype (nothing will be updated, so fp32 copies would only cost memory).
+        self.inference = optimizer is None
         # The one place the stage is read: it picks a strategy per concern (grad_strategy.py,
         # param_strategy.py); everything below delegates to them instead of branching.
         grad_cls: type[GradSharding] = grad_sharding_for(self.stage)
@@ -176,11 +187,12 @@ class ZeroEngine:
         self._broadcast_from_rank0(params=meta is None or not partitioned)
 
         # offload_optimizer: masters (so gradient shards and optimizer state) in host memory.
-        self.master_device, pin = master_device(config, device)
+        self.master_device, pin = (device, False) if self.inference else master_device(config, device)
         self.shards: list[ParamShard] = build_shards(module, self.shard_world_size, self.shard_rank,
                                                      self.master_device, pin=pin,
-                                                     pending=meta.pending if meta is not None else ())
-        self._trainable = [s for s in self.shards if s.requires_grad]
+                                                     pending=meta.pending if meta is not None else (),
+                                                     dtype=self.compute_dtype if self.inference else torch.float32)
+        self._trainable = [] if self.inference else [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
         self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
         self._params = param_cls(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
@@ -191,7 +203,7 @@ class ZeroEngine:
             self._broadcast_from_rank0(params=False)
         # offload_param (stage 3): where the partitions the gathers read live (param_offload.py).
         self.param_tier: ResidentTier = self._params.tier(z.offload_param, self.rank)
-        self.optimizer = build_optimizer(optimizer, self.shards)
+        self.optimizer = None if self.inference else build_optimizer(optimizer, self.shards)
         self.scaler = LossScaler(config.fp16)
         self._grads = grad_cls(self._trainable, self.world_size, self._rs_group, config.reduce_dtype,
                                int(z.reduce_bucket_size), z.overlap_comm, device)
@@ -233,6 +245,7 @@ class ZeroEngine:
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
+        self._refuse_in_inference("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ArgumentTypeError("engine.backward expects the scalar loss tensor")
         if not loss.requires_grad:
@@ -269,12 +282,18 @@ class ZeroEngine:
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the weights and zero grads."""
+        self._refuse_in_inference("step")
         if not self._backward_done:
             raise EngineUsageError("engine.step() called without engine.backward(loss) since the last step()")
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
         self.micro_steps += 1
         self._backward_done = False
+
+    def _refuse_in_inference(self, what: str) -> None:
+        if self.inference:
+            raise EngineUsageError(f"engine.{what}() on an engine built without an optimizer (for inference: "
+                                   "forward only); pass an optimizer to initialize to train this model")
 
     def _optimizer_step(self) -> None:
         # Every trainable master has a gradient after a boundary backward (zeros if unused).
@@ -412,5 +431,5 @@ class ZeroEngine:
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, rank={self.rank}/{self.world_size}, "
-                f"dtype={self.compute_dtype}, optimizer={type(self.optimizer).__name__}, "
+                f"dtype={self.compute_dtype}, optimizer={type(self.optimizer).__name__ if self.optimizer else None}, "
                 f"params={len(self.shards)})")

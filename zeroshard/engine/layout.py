@@ -36,7 +36,8 @@ class ParamShard:
     end: int
     chunk: int  # padded chunk size (same on every rank)
     requires_grad: bool
-    master: torch.Tensor  # fp32, `chunk` elements: real ones first, zero padding after
+    # fp32 (an inference engine's: the compute dtype), `chunk` elements: real ones first, zero padding after
+    master: torch.Tensor
 
     @property
     def numel(self) -> int:
@@ -97,16 +98,18 @@ def unique_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Paramet
 
 
 def build_shards(module: nn.Module, world: int, rank: int, device: torch.device,
-                 pending: Container[int] = (), pin: bool = False) -> list[ParamShard]:
-    """A ParamShard per unique parameter, with fp32 masters copied from the current values
-    (zeros for the params in `pending`, whose values come later: see meta_init.py)."""
+                 pending: Container[int] = (), pin: bool = False,
+                 dtype: torch.dtype = torch.float32) -> list[ParamShard]:
+    """A ParamShard per unique parameter, with masters (fp32; an inference engine's in its
+    compute dtype) copied from the current values (zeros for the params in `pending`, whose
+    values come later: see meta_init.py)."""
     shards = []
     for index, (name, p) in enumerate(unique_named_parameters(module)):
         numel = p.numel()
         start, end = shard_range(numel, world, rank)
         chunk = chunk_size(numel, world)
-        master = (torch.zeros(chunk, dtype=torch.float32, device=device) if not pin
-                  else torch.zeros(chunk, dtype=torch.float32, pin_memory=True))  # offload.py
+        master = (torch.zeros(chunk, dtype=dtype, device=device) if not pin
+                  else torch.zeros(chunk, dtype=dtype, pin_memory=True))  # offload.py
         if id(p) not in pending:
             master[: end - start].copy_(p.detach().reshape(-1)[start:end])
         shards.append(ParamShard(index, name, p, p.shape, p.dtype, start, end, chunk,

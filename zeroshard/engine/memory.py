@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def report(engine: "EngineView") -> dict[str, int]:
     """Bytes held now, in the ZeRO paper's categories.
 
-    params: module parameters in the compute dtype (stage 3: only units gathered right now);
+    params: module parameters in the compute dtype (stage 3: only units gathered right now; an
+    engine without an optimizer: plus its partitions, which stand in for the masters);
     grads: module `.grad` plus the fp32 gradient shards; optimizer: fp32 master chunks plus the
     optimizer's state tensors (the paper's KΨ); buffers: module buffers; comm: gradient buckets,
     stage-3 prefetch buffers and stage 1-2 parameter gathers in flight.
@@ -45,9 +46,12 @@ def report(engine: "EngineView") -> dict[str, int]:
 
     module = engine.module
     params = count(p.data for p in module.parameters())
+    if engine.optimizer is None:  # an inference engine: its masters are the parameters' partitions
+        params += count(s.master for s in engine.shards)
     master = count(s.master for s in engine.shards)
     grads = count([p.grad for p in module.parameters()] + [s.master.grad for s in engine.shards])
-    opt_state = count(v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    opt_state = (count(v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+                 if engine.optimizer is not None else 0)
     out = {
         "params": params,
         "grads": grads,

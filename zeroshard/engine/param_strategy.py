@@ -1,7 +1,8 @@
 """Parameter residency, one object per policy, chosen once at initialize (engine.py delegates).
 
   Replicated    stage 0: full module parameters on every rank; after a step the updated masters
-                are copied in (in fp32 the master *is* the parameter: nothing to copy).
+                are copied in (in fp32, or without an optimizer, the master *is* the parameter:
+                nothing to copy).
   Regathered    stages 1-2: full module parameters; after a step every rank's updated chunks
                 are all-gathered back, asynchronously (param_gather.py).
   Partitioned   stage 3: the parameters exist only as shards and each unit is gathered around
@@ -81,9 +82,9 @@ class Replicated(ParamResidency):
     def __init__(self, module: nn.Module, shards: list[ParamShard], dtype: torch.dtype, world: int,
                  group: Any, config: Any, device: torch.device) -> None:
         super().__init__(module, shards, dtype, world, group, config, device)
-        if dtype == torch.float32:
-            for s in shards:
-                s.master = s.param.data.view(-1)  # fp32 DDP: no separate master copy
+        for s in shards:
+            if s.master.dtype == dtype:  # fp32 DDP, or an inference engine: no separate master copy
+                s.master = s.param.data.view(-1)
 
     def after_step(self, trainable: list[ParamShard]) -> None:
         with torch.no_grad():

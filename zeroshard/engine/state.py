@@ -27,7 +27,8 @@ def named_shards(engine: "EngineView") -> Iterator[tuple[str, ShardInfo]]:
         yield s.name, ShardInfo(
             name=s.name, shape=tuple(s.shape), dtype=s.dtype, start=s.start, end=s.end, chunk=s.chunk,
             world_size=engine.shard_world_size, requires_grad=s.requires_grad, master=s.master,
-            optimizer_state=engine.optimizer.state.get(s.master, {}) if s.requires_grad else {})
+            optimizer_state=engine.optimizer.state.get(s.master, {})
+            if s.requires_grad and engine.optimizer is not None else {})
 
 
 def load_shards(engine: "EngineView", states: Mapping[str, Mapping[str, Any]], strict: bool = True,
@@ -54,11 +55,12 @@ def load_shards(engine: "EngineView", states: Mapping[str, Mapping[str, Any]], s
             s = by_name[name]
             fragment = st.get("fragment")
             if fragment is not None and fragment.data_ptr() != s.master.data_ptr():  # else: read in place
-                set_fragment(s.master, fragment.to(s.master.device, torch.float32), s.owned)
+                set_fragment(s.master, fragment.to(s.master.device, s.master.dtype), s.owned)
             opt = st.get("optimizer_state")
             if opt:
-                if not s.requires_grad:
-                    raise InvalidArgumentError(f"load_shards: {name!r} is frozen but optimizer state was given")
+                if not s.requires_grad or engine.optimizer is None:
+                    raise InvalidArgumentError(f"load_shards: optimizer state was given for {name!r}, which "
+                                               f"{'has no optimizer' if s.requires_grad else 'is frozen'}")
                 engine.optimizer.state[s.master] = {k: _pad_state(v, s.master, s.owned, adopt) for k, v in opt.items()}
     _masters_to_params(engine, [by_name[n] for n in states])
 
@@ -133,7 +135,7 @@ def full_state_items(engine: "EngineView") -> Iterator[tuple[str, Any]]:
 
 def _gather_full(engine: "EngineView", s: Any) -> torch.Tensor | None:
     if engine.shard_world_size == 1:
-        return s.master[: s.numel].detach().to("cpu").clone().view(s.shape)
+        return s.master[: s.numel].detach().to("cpu", torch.float32, copy=True).view(s.shape)
     root = engine.rank == 0
     mine = s.master.detach().to(engine.device)  # offloaded masters: the collective runs on the device
     parts = [torch.empty_like(mine) for _ in range(engine.world_size)] if root else None
@@ -164,7 +166,7 @@ def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], st
                 if tuple(value.shape) != tuple(s.shape):
                     raise InvalidArgumentError(f"{key}: shape {tuple(value.shape)} != model's {tuple(s.shape)}")
                 flat = value.detach().reshape(-1)[s.start: s.end]
-                set_fragment(s.master, flat.to(s.master.device, torch.float32), s.owned)
+                set_fragment(s.master, flat.to(s.master.device, s.master.dtype), s.owned)
                 if engine.stage < 3 and s.master.data_ptr() != s.param.data.data_ptr():
                     s.param.data.copy_(value.detach().view(s.shape).to(s.param.device, s.param.dtype))
             elif torch.is_tensor(ref):
@@ -184,14 +186,18 @@ def checkpoint_state(engine: "EngineView") -> EngineState:
                 aliases[key] = shard.name
         elif torch.is_tensor(value):
             buffers.append(BufferState(key, value.detach(), engine.buffer_dtypes.get(key, value.dtype)))
-    names = group_names(engine.optimizer, engine.shards)
-    groups = tuple(ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
-                   for g, n in zip(engine.optimizer.param_groups, names))
-    cls = type(engine.optimizer)
+    groups: tuple[ParamGroup, ...] = ()
+    optimizer_class = ""  # an inference engine has none
+    if engine.optimizer is not None:
+        names = group_names(engine.optimizer, engine.shards)
+        groups = tuple(ParamGroup(tuple(n), {k: v for k, v in g.items() if k != "params"})
+                       for g, n in zip(engine.optimizer.param_groups, names))
+        cls = type(engine.optimizer)
+        optimizer_class = f"{cls.__module__}.{cls.__qualname__}"
     return EngineState(
         zero_stage=engine.stage, world_size=engine.world_size, rank=engine.rank,
         shard_world_size=engine.shard_world_size, device=engine.device, compute_dtype=engine.compute_dtype,
-        optimizer_class=f"{cls.__module__}.{cls.__qualname__}",
+        optimizer_class=optimizer_class,
         params=tuple(info for _, info in named_shards(engine)), buffers=tuple(buffers), aliases=aliases,
         counters=Counters(engine.global_steps, engine.micro_steps, engine.skipped_steps),
         loss_scaler=engine.scaler.state_dict(), param_groups=groups)
@@ -223,7 +229,7 @@ def restore(engine: "EngineView", state: EngineState, strict: bool = True, adopt
             target = own[b.name]
             if b.tensor.data_ptr() != target.data_ptr():
                 target.copy_(b.tensor.reshape(target.shape).to(target.device, target.dtype))
-    if state.param_groups is not None:
+    if state.param_groups is not None and engine.optimizer is not None:
         _restore_param_groups(engine, state.param_groups)
     if state.counters is not None:
         engine.global_steps = int(state.counters.global_steps)
