@@ -41,11 +41,21 @@ def _inference(rank, world_size, stage, bf16):
             refused.append(None)
         except EngineUsageError as exc:
             refused.append(str(exc))
+    loss = engine(*batch(0, rank))  # grad mode: a graph through the parameters
+    try:
+        loss.backward()  # the usual slip: a reference output left in the loss without no_grad
+        refused.append(None)
+    except EngineUsageError as exc:
+        refused.append(str(exc))
+    with torch.no_grad():
+        again = torch.equal(engine(*batch(0, rank)), want[0])
+    released = [p.untyped_storage().size() for p in model.parameters()]
     full = engine.full_state_dict()
     same_weights = rank != 0 or all(torch.equal(full[k], v.float()) for k, v in plain.state_dict().items()
                                     if k != "scale")
     shards = engine.shards
-    return {"equal": all(torch.equal(a, b) for a, b in zip(got, want)), "refused": refused,
+    return {"equal": all(torch.equal(a, b) for a, b in zip(got, want)) and again, "refused": refused,
+            "released": released, "grads": [p.grad for p in model.parameters()],
             "optimizer": engine.optimizer, "memory": engine.memory_report(), "weights": same_weights,
             "partition_bytes": sum(s.chunk for s in shards) * (2 if bf16 else 4),
             "whole_bytes": sum(s.numel for s in shards) * (2 if bf16 else 4),
@@ -56,7 +66,10 @@ def _inference(rank, world_size, stage, bf16):
 def test_an_engine_without_an_optimizer_runs_forward_as_the_plain_model(stage, bf16):
     for out in run_ranks(_inference, 2, stage=stage, bf16=bf16, timeout=120):
         assert out["equal"] and out["weights"] and out["optimizer"] is None
-        backward, step, save = out["refused"]
+        backward, step, save, slip = out["refused"]
+        assert slip and "torch.no_grad()" in slip  # not the whole model's gradients kept on every rank
+        assert out["grads"] == [None] * 5
+        assert (out["released"] == [0] * 5) == (stage == 3)
         assert backward and "engine.backward()" in backward and "without an optimizer" in backward
         assert step and "engine.step()" in step
         assert save and "save_checkpoint" in save and "full_state_items" in save

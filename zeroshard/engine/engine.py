@@ -208,8 +208,9 @@ class ZeroEngine:
         self._grads = grad_cls(self._trainable, self.world_size, self._rs_group, config.reduce_dtype,
                                int(z.reduce_bucket_size), z.overlap_comm, device)
         self.reducer = self._grads.reducer
+        # (an inference engine's too: a gradient reaching one is refused, not kept whole at stage 3)
         self._hooks = [s.param.register_post_accumulate_grad_hook(_weak_grad_hook(self, s))
-                       for s in self._trainable]
+                       for s in self.shards if s.requires_grad]
         self.reset_comm_report()
 
     # -- set-up helpers ------------------------------------------------------------------------
@@ -270,6 +271,10 @@ class ZeroEngine:
 
     def _on_grad(self, shard: ParamShard, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: hand a finished gradient to the reducer and free it."""
+        if self.inference:
+            param.grad = None
+            raise EngineUsageError("a gradient reached a parameter of an engine built without an optimizer (for "
+                                   "inference): run its forward under torch.no_grad(), or detach its outputs")
         if not self._in_backward:
             raise EngineUsageError("a gradient reached a zeroshard parameter outside engine.backward(): "
                                "call engine.backward(loss), not loss.backward()")
