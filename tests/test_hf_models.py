@@ -7,6 +7,7 @@ Needs the `test` extra's transformers; skipped (visibly) without it.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -240,3 +241,59 @@ def test_llama_built_under_zero_init_with_hf_init_weights() -> None:
     for n, b in fresh.named_buffers():
         assert torch.equal(two["buffers"][n], b), n
     assert abs(two["loss"] - 4.16) < 0.1  # ~ln(64): small random init
+
+
+def bf16_llama(rank: int, world: int, which: str, buffer_dtype: str | None = None) -> dict[str, Any]:
+    """A bf16 run of a Llama built in fp32, as a script hands it over: its first loss, and the
+    rotary angles it computes at a position far along (a buffer rounded to bf16 shows there)."""
+    if which == "deepspeed":
+        import deepspeed
+    elif which == "facade":
+        import zeroshard.deepspeed as deepspeed
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    if buffer_dtype is not None:
+        cfg["data_types"] = {"buffer_dtype": buffer_dtype}
+    model = make("llama")
+    if which == "native":
+        import zeroshard
+
+        engine = zeroshard.initialize(model, opt(model.parameters()), cfg)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=opt(model.parameters()))
+    x = data()[0][2 * rank: 2 * rank + 2]
+    loss = engine(input_ids=x, labels=x).loss.float().item()
+    rotary = model.model.rotary_emb
+    with torch.no_grad():
+        cos, _ = rotary(torch.zeros(1, dtype=torch.float32), torch.tensor([[4000]]))
+    return {"loss": loss, "inv_freq": rotary.inv_freq.dtype, "cos": cos.float()}
+
+
+def test_bf16_keeps_the_rotary_frequencies_in_fp32_as_deepspeed_does() -> None:
+    """Buffers keep the dtype they arrive in (DeepSpeed >= 0.19 and FSDP2 leave them too). Cast to
+    bf16, Llama's inv_freq is off by up to 2^-9 relative, an angle error that grows with the
+    position: at 4,000 the cosines were off by up to about 1."""
+    import math
+
+    exact = make("llama").model.rotary_emb
+    with torch.no_grad():
+        want, _ = exact(torch.zeros(1, dtype=torch.float32), torch.tensor([[4000]]))
+    native = run_ranks(bf16_llama, 2, which="native", timeout=180)
+    facade = run_ranks(bf16_llama, 2, which="facade", timeout=180)
+    cast = run_ranks(bf16_llama, 2, which="native", buffer_dtype="bf16", timeout=180)
+    for ours, theirs in zip(native, facade):
+        assert ours["inv_freq"] == theirs["inv_freq"] == torch.float32
+        assert torch.equal(ours["cos"], want.float()) and torch.equal(theirs["cos"], want.float())
+        assert ours["loss"] == theirs["loss"] and math.isfinite(ours["loss"])
+    # data_types.buffer_dtype casts them (the old behaviour): the angles far along are lost
+    assert cast[0]["inv_freq"] == torch.bfloat16
+    assert (cast[0]["cos"] - want.float()).abs().max().item() > 0.1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
+def test_a_bf16_llamas_first_losses_are_deepspeeds() -> None:
+    ours = run_ranks(bf16_llama, 2, which="facade", timeout=180)
+    real = run_ranks(bf16_llama, 2, which="deepspeed", init_process_group=False, env={"DS_ACCELERATOR": "cpu"},
+                     fresh=True, timeout=240)
+    assert [r["inv_freq"] for r in real] == [torch.float32] * 2
+    assert [r["loss"] for r in real] == [o["loss"] for o in ours]  # exactly: same weights, buffers and ops

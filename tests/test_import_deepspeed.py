@@ -59,10 +59,12 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
 
     model = make_model(1, frozen)
     optimizer = make_optimizer(two_groups(model)) if groups else make_optimizer
-    engine = zeroshard.initialize(model=model, optimizer=optimizer,
-                                  config={"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
-                                          "train_micro_batch_size_per_gpu": MICRO_BATCH,
-                                          "bf16": {"enabled": bf16}, "fp16": fp16 or {"enabled": False}})
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+              "train_micro_batch_size_per_gpu": MICRO_BATCH,
+              "bf16": {"enabled": bf16}, "fp16": fp16 or {"enabled": False}}
+    if bf16 or (fp16 or {}).get("enabled"):  # the fixtures' model was cast whole, its `scale` buffer too
+        config["data_types"] = {"buffer_dtype": "bf16" if bf16 else "fp16"}  # (make_deepspeed_fixtures.py)
+    engine = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
     # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup) if scheduler_steps else None
     client = engine.load_checkpoint(path, lr_scheduler=scheduler)

@@ -29,7 +29,7 @@ IGNORED_TOP_KEYS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "dump_state", "zero_allow_untested_optimizer",
     "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "flops_profiler",
     "tensorboard", "wandb", "csv_monitor", "comms_logger", "activation_checkpointing",
-    "checkpoint", "data_types", "aio", "memory_breakdown", "zero_force_ds_cpu_optimizer",
+    "checkpoint", "aio", "memory_breakdown", "zero_force_ds_cpu_optimizer",
     "seq_parallel_communication_data_type", "timers", "monitor_config", "compile",
 })
 IGNORED_ZERO_KEYS = frozenset({
@@ -41,6 +41,7 @@ IGNORED_ZERO_KEYS = frozenset({
     "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "use_multi_rank_bucket_allreduce",
 })
 IGNORED_FP16_KEYS = frozenset({"auto_cast", "fp16_master_weights_and_grads"})
+IGNORED_DATA_TYPES_KEYS = frozenset({"grad_accum_dtype", "param_dtype", "keep_in_fp32_modules"})
 IGNORED_BF16_KEYS = frozenset({"immediate_grad_update", "check_grad_overflow"})
 # DeepSpeed sections that would change behaviour if silently ignored.
 REFUSED_TOP_KEYS = {
@@ -95,6 +96,14 @@ class BF16Config:
 
 
 @dataclass
+class DataTypesConfig:
+    # Buffers (rotary frequencies, normalization statistics) keep the dtype they arrive in, as
+    # DeepSpeed (>= 0.19) and FSDP2 leave them: a rotary `inv_freq` rounded to bf16 turns into an
+    # angle error that grows with the position. A dtype here casts every floating buffer to it.
+    buffer_dtype: str | None = None
+
+
+@dataclass
 class ZeroConfig:
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     bf16: BF16Config = field(default_factory=BF16Config)
@@ -104,6 +113,7 @@ class ZeroConfig:
     train_micro_batch_size_per_gpu: int | None = None
     train_batch_size: int | None = None
     communication_data_type: str | None = None  # gradient reduction dtype; default fp32
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -131,7 +141,8 @@ class ZeroConfig:
             if key in data:
                 raise ConfigError(f"config key {key!r} is not supported: {why}")
         cfg = _build(cls, data, "", {"": IGNORED_TOP_KEYS, "zero_optimization": IGNORED_ZERO_KEYS,
-                                     "fp16": IGNORED_FP16_KEYS, "bf16": IGNORED_BF16_KEYS}, ignored)
+                                     "fp16": IGNORED_FP16_KEYS, "bf16": IGNORED_BF16_KEYS,
+                                     "data_types": IGNORED_DATA_TYPES_KEYS}, ignored)
         if ignored:
             warnings.warn("zeroshard ignores these DeepSpeed config keys: " + ", ".join(sorted(ignored)),
                           UserWarning, stacklevel=3)
@@ -176,6 +187,9 @@ class ZeroConfig:
         if self.communication_data_type is not None and self.communication_data_type not in _DTYPES:
             raise ConfigError(f"communication_data_type must be one of {sorted(_DTYPES)}, "
                               f"got {self.communication_data_type!r}")
+        if self.data_types.buffer_dtype is not None and self.data_types.buffer_dtype not in _DTYPES:
+            raise ConfigError(f"data_types.buffer_dtype must be one of {sorted(_DTYPES)} (or null: buffers keep their "
+                              f"dtype), got {self.data_types.buffer_dtype!r}")
         f = self.fp16
         if f.loss_scale < 0 or f.loss_scale_window < 1 or f.hysteresis < 1 or f.min_loss_scale <= 0:
             raise ConfigError("fp16: need loss_scale >= 0, loss_scale_window >= 1, hysteresis >= 1, "
@@ -200,6 +214,12 @@ class ZeroConfig:
         if self.fp16.enabled:
             return torch.float16
         return torch.float32
+
+    @property
+    def buffer_dtype(self) -> torch.dtype | None:
+        """Dtype floating buffers are cast to (None: they keep their own)."""
+        name = self.data_types.buffer_dtype
+        return _DTYPES[name] if name is not None else None
 
     @property
     def reduce_dtype(self) -> torch.dtype:

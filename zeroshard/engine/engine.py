@@ -194,7 +194,7 @@ class ZeroEngine:
                                                      dtype=self.compute_dtype if self.inference else torch.float32)
         self._trainable = [] if self.inference else [s for s in self.shards if s.requires_grad]
         self._shard_by_param = {id(s.param): s for s in self.shards}
-        self._buffer_dtypes = cast_buffers(module, self.compute_dtype)
+        self._buffer_dtypes = cast_buffers(module, config.buffer_dtype)
         self._params = param_cls(module, self.shards, self.compute_dtype, self.world_size, self._ag_group,
                                  config, device)
         self._stage3, self._refresh = self._params.scheduler, self._params.refresh  # diagnostics

@@ -28,9 +28,12 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(cast, tree)
 
 
-def cast_buffers(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """Cast floating buffers to the compute dtype (as module.to(dtype) would); return old dtypes."""
-    old = {}
+def cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    """Cast floating buffers to `dtype` (config data_types.buffer_dtype; None: leave them, as
+    DeepSpeed and FSDP2 do); return the old dtypes of those cast."""
+    old: dict[str, torch.dtype] = {}
+    if dtype is None:
+        return old
     for name, buf in module.named_buffers():
         if buf.is_floating_point() and buf.dtype != dtype:
             old[name] = buf.dtype
