@@ -179,11 +179,15 @@ def test_a_pickled_model_on_s3_shards_to_s3(tmp_path, s3_bucket):
 
 def test_a_ddp_state_dict_sheds_its_prefix_and_load_pretrained_says_how(tmp_path):
     """`torch.save(ddp_model.state_dict())` names every tensor `module.*`: load_pretrained into the
-    bare model names the prefix and the fix, `shard --strip-prefix` applies it."""
+    bare model names the prefix and both fixes: load_pretrained(strip_prefix=) reads it as it is,
+    `shard --strip-prefix` writes a renamed copy."""
     state = make_model(seed=4).state_dict()
     torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.pt")
     error = run_ranks(pretrained_error, 2, timeout=120, path=str(tmp_path / "ddp.pt"))[0]
     assert "starts with 'module.'" in error and "--strip-prefix module." in error, error
+    assert "strip_prefix='module.'" in error, error
+    loaded = run_ranks(pretrained_stripped, 2, timeout=120, path=str(tmp_path / "ddp.pt"))[0]
+    assert_same(loaded, state)
     code, _, err = cli("shard", str(tmp_path / "ddp.pt"), str(tmp_path / "ckpt"), "--world", "2",
                        "--strip-prefix", "module.", "-q")
     assert code == 0, err
@@ -193,14 +197,23 @@ def test_a_ddp_state_dict_sheds_its_prefix_and_load_pretrained_says_how(tmp_path
     code, _, err = cli("shard", str(tmp_path / "clash.pt"), str(tmp_path / "clash"), "--world", "2",
                        "--strip-prefix", "module.", "-q")
     assert code == 1 and "makes 'module.w' and 'w' both 'w'" in err and not (tmp_path / "clash").exists(), err
+    error = run_ranks(pretrained_error, 2, timeout=120, path=str(tmp_path / "clash.pt"), strip_prefix="module.")[0]
+    assert "strip_prefix makes 'module.w' and 'w' both 'w'" in error, error
 
 
-def pretrained_error(rank: int, world: int, path: str) -> str | None:
+def pretrained_error(rank: int, world: int, path: str, strip_prefix: str | None = None) -> str | None:
     model = make_model(seed=9)
     engine = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                   config={"zero_optimization": {"stage": 3}})
     try:
-        engine.load_pretrained(path)
+        engine.load_pretrained(path, strip_prefix=strip_prefix)
     except zeroshard.ZeroshardError as exc:
         return str(exc)
     return None
+
+
+def pretrained_stripped(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    """A stage-3 inference engine (a reference model) reads a DDP-prefixed pickle as it is."""
+    engine = zeroshard.initialize(model=make_model(seed=9), optimizer=None, config={"zero_optimization": {"stage": 3}})
+    engine.load_pretrained(path, strip_prefix="module.")
+    return engine.full_state_dict()

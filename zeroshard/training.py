@@ -71,9 +71,12 @@ class CheckpointingEngine(ZeroEngine):
         return self.checkpointer.load(path, strict=strict, load_optimizer_states=load_optimizer_states,
                                       storage_options=storage_options, stateful=_scheduler(lr_scheduler))
 
-    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
-        """Load model weights from a full model: one .safetensors file or an HF-style folder."""
-        self.checkpointer.load_pretrained(path, strict=strict, storage_options=storage_options)
+    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None,
+                        strip_prefix: str | list[str] | None = None) -> None:
+        """Load model weights from a full model: one .safetensors file or an HF-style folder (or
+        their torch.save counterparts); strip_prefix: removed from the file's names ("module.")."""
+        self.checkpointer.load_pretrained(path, strict=strict, storage_options=storage_options,
+                                          strip_prefix=strip_prefix)
 
     # State changes other than optimizer steps: an async save still reading the engine's memory
     # gets its copy first (copy-on-write, zeroshard/checkpointing/snapshot.py).

@@ -236,11 +236,14 @@ class Checkpointer:
             self._thread.start()
         return result
 
-    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None) -> None:
-        """Load model weights from a full model: one .safetensors file or an HF-style folder."""
+    def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None,
+                        strip_prefix: str | list[str] | None = None) -> None:
+        """Load model weights from a full model: one .safetensors file or an HF-style folder (or
+        their torch.save counterparts); strip_prefix: removed from the file's names ("module.")."""
         path = os.fspath(path)  # any os.PathLike
         self.wait()
-        load_pretrained(self.engine, self.group, path, strict=strict, storage_options=storage_options)
+        load_pretrained(self.engine, self.group, path, strict=strict, storage_options=storage_options,
+                        strip_prefix=strip_prefix)
 
     def before_state_change(self) -> None:
         """Copy what a running background save has not written yet (copy-on-write): called by

@@ -35,7 +35,7 @@ from zeroshard.checkpointing.stateful import one_line, parse_rank_state, restori
 from zeroshard.engine.contract import Counters, EngineState, ParamGroup
 from zeroshard.errors import CheckpointError, InvalidArgumentError, StorageError, ZeroshardError
 from zeroshard.format import CheckpointReader, open_checkpoint
-from zeroshard.format.full_model import SourceTensor, read_source_tensor
+from zeroshard.format.full_model import SourceTensor, read_source_tensor, stripped_names
 from zeroshard.format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from zeroshard.format.reader import fragments_of
 from zeroshard.format.training_state import (
@@ -361,10 +361,11 @@ def legacy_rng_json(manifest: Manifest, rank: int, where: str) -> dict[str, Any]
 
 
 def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
-                    storage_options: dict | None = None) -> None:
+                    storage_options: dict | None = None, strip_prefix: str | list[str] | None = None) -> None:
     """Load model weights from a full model (one .safetensors file or an HF folder with an
     index, or their torch.save counterparts) into a fresh engine: each rank reads only its
-    ranges; optimizer state untouched."""
+    ranges; optimizer state untouched. strip_prefix: removed from the file's tensor names that
+    start with it (DDP's "module.", torch.compile's "_orig_mod.")."""
     target = engine.checkpoint_state()
     infos = {info.name: info for info in target.params}
     own_buffers = {b.name: b for b in target.buffers}
@@ -375,7 +376,9 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         folder, tensors, notes = open_model(path, storage_options)
         for note in notes if target.rank == 0 else []:
             warnings.warn(f"load_pretrained: {note}", stacklevel=3)
-        by_name: dict[str, SourceTensor] = {t.name: t for t in tensors}
+        prefixes = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or [])
+        renamed = stripped_names(path, [t.name for t in tensors], prefixes, option="strip_prefix")
+        by_name: dict[str, SourceTensor] = dict(zip(renamed, tensors))
         # a full model does not say which tensors are buffers: names decide, as in torch's load_state_dict
         saved = {n: tuple(t.shape) for n, t in by_name.items() if n not in target.aliases}
         names = check_names(model_shapes(target), saved, path, strict, warn=target.rank == 0)

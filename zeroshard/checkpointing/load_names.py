@@ -131,7 +131,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
         # one side may hold a tied weight under both names (a full model) where the other counts it once
         if prefix and all(n.startswith(prefix) for n in longer) \
                 and (set(shorter) <= stripped or stripped <= set(shorter)):
-            fix = (f" (`zeroshard shard FULL_MODEL OUT --world N --strip-prefix {prefix}` renames a full model's)"
+            fix = (f" (load_pretrained(..., strip_prefix={prefix!r}) reads a full model's as they are; `zeroshard "
+                   f"shard FULL_MODEL OUT --world N --strip-prefix {prefix}` renames them)"
                    if side == "the checkpoint's" else "")
             return (f"every one of {side} tensor names starts with {prefix!r} and the other side's do not: "
                     f"a wrapper such as torch.compile or DDP around one model?{fix}")

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.storage.location import Location, RangeReader
 from zeroshard.storage.safetensors_header import DTYPE_SIZES, read_header
@@ -34,6 +34,31 @@ class SourceTensor:
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+
+def strip(name: str, prefixes: list[str]) -> str:
+    """`name` without the first of `prefixes` it starts with (DDP's `module.`, torch.compile's `_orig_mod.`)."""
+    for prefix in prefixes:
+        if prefix and name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def stripped_names(url: str, names: list[str], strip_prefix: list[str] | None,
+                   option: str = "--strip-prefix") -> list[str]:
+    """`names`, each without the first of `strip_prefix` it starts with; a name left empty, or two
+    names made one, is an error naming them (and `option`, how the caller spells the setting)."""
+    out: list[str] = []
+    seen: dict[str, str] = {}
+    for name in names:
+        new = strip(name, strip_prefix or [])
+        if not new:
+            raise ZeroshardError(f"{url}: {option} leaves tensor {name!r} with an empty name")
+        if new in seen:
+            raise ZeroshardError(f"{url}: {option} makes {seen[new]!r} and {name!r} both {new!r}")
+        seen[new] = name
+        out.append(new)
+    return out
 
 
 def split_file_url(url: str) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import CheckpointReader, TensorEntry, open_checkpoint
+from zeroshard.format.full_model import strip
 
 if TYPE_CHECKING:
     import torch
@@ -159,11 +160,3 @@ def read_rank_major(reader: CheckpointReader, wanted: Iterable[TensorEntry]) -> 
             entry = opened.header.entries[t.name]
             views[t.name][start * t.itemsize:end * t.itemsize] = whole[entry.begin:entry.end]
     return out
-
-
-def strip(name: str, prefixes: list[str]) -> str:
-    """`name` without the first of `prefixes` it starts with."""
-    for prefix in prefixes:
-        if prefix and name.startswith(prefix):
-            return name[len(prefix):]
-    return name

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from zeroshard.bucketing import greedy_groups
 from zeroshard.errors import ZeroshardError
-from zeroshard.format.full_model import HF_SINGLE_NAME, split_file_url
+from zeroshard.format.full_model import HF_SINGLE_NAME, split_file_url, stripped_names
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
-from zeroshard.toolkit.load import select, strip
+from zeroshard.toolkit.load import select
 
 CAST_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -81,22 +81,6 @@ def choose(url: str, tensors: list[OutputTensor], include: list[str] | None, exc
     kept = [t for t in tensors if t.name in chosen]
     return [OutputTensor(new, t.source, t.dtype)
             for t, new in zip(kept, stripped_names(url, [t.name for t in kept], strip_prefix))]
-
-
-def stripped_names(url: str, names: list[str], strip_prefix: list[str] | None) -> list[str]:
-    """`names`, each without the first of `strip_prefix` it starts with; a name left empty, or two
-    names made one, is an error naming them."""
-    out: list[str] = []
-    seen: dict[str, str] = {}
-    for name in names:
-        new = strip(name, strip_prefix or [])
-        if not new:
-            raise ZeroshardError(f"{url}: --strip-prefix leaves tensor {name!r} with an empty name")
-        if new in seen:
-            raise ZeroshardError(f"{url}: --strip-prefix makes {seen[new]!r} and {name!r} both {new!r}")
-        seen[new] = name
-        out.append(new)
-    return out
 
 
 def output_files(out: str, tensors: list[OutputTensor], max_shard_size: str | None,

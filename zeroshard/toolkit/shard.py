@@ -12,14 +12,13 @@ from contextlib import ExitStack
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
-from zeroshard.format.full_model import SourceTensor, read_source_range
+from zeroshard.format.full_model import SourceTensor, read_source_range, stripped_names
 from zeroshard.format.manifest import Manifest
 from zeroshard.format.output import output_transaction, prepare_output
 from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.interop.pickled_model import open_model
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.selection import stripped_names
 
 
 @output_transaction
