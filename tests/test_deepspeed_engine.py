@@ -475,3 +475,49 @@ def test_the_module_is_current_after_step_and_stage_3_params_carry_deepspeeds_ta
             assert facts["current"]  # not the weights from before the last step
         else:
             assert facts["tags"] == (True, True, True, True) and facts["gathered"] == (True, True, True)
+
+
+class _Regression(torch.nn.Module):
+    """A float target passed beside the input: DeepSpeed casts neither (the script casts x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        return ((self.lin(x).float() - target) ** 2).mean()
+
+
+def _float_target(rank, world_size, which, fp16_auto_cast):
+    if which == "deepspeed":
+        import deepspeed
+    else:
+        import zeroshard.deepspeed as deepspeed
+
+    half = torch.float16 if fp16_auto_cast else torch.bfloat16
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    cfg["fp16" if fp16_auto_cast else "bf16"] = {"enabled": True, **({"auto_cast": True} if fp16_auto_cast else {})}
+    model = _Regression().to(half)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(rank)
+    x, target = torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g) / 3  # not representable in 16 bits
+    with torch.no_grad():
+        if fp16_auto_cast:  # DeepSpeed's auto_cast casts the positional inputs, the target among them
+            losses = [engine(x, target).item()]
+        else:  # the script casts its input; the target stays fp32, as under DeepSpeed
+            losses = [engine(x.to(half), target).item(), engine(x.to(half), target=target).item()]
+    return {"losses": losses, "auto_cast": engine.fp16_auto_cast()}
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
+@pytest.mark.parametrize("fp16_auto_cast", [False, True])
+def test_forward_inputs_are_cast_only_as_deepspeed_casts_them(fp16_auto_cast):
+    """The native engine casts floating inputs to the compute dtype (as FSDP2); DeepSpeed casts none
+    unless fp16.auto_cast, and a float target rounded to bf16 would change every loss a little."""
+    ours = run_ranks(_float_target, 2, which="zeroshard", fp16_auto_cast=fp16_auto_cast, timeout=120)
+    theirs = run_ranks(_float_target, 2, which="deepspeed", fp16_auto_cast=fp16_auto_cast, init_process_group=False,
+                       env={"DS_ACCELERATOR": "cpu"}, fresh=True, timeout=180)
+    assert [o["losses"] for o in ours] == [t["losses"] for t in theirs]
+    assert [o["auto_cast"] for o in ours] == [t["auto_cast"] for t in theirs] == [fp16_auto_cast] * 2

@@ -136,6 +136,8 @@ def split_config(config: Any, world: int, warn: bool = True) -> SplitConfig:
     engine = {k: v for k, v in raw.items() if k not in _LAYER_KEYS and k not in _OFF_UNLESS_ENABLED}
     if isinstance(engine.get("zero_optimization"), Mapping):
         engine["zero_optimization"] = map_offload(engine["zero_optimization"])
+    if isinstance(engine.get("fp16"), Mapping) and "auto_cast" in engine["fp16"]:  # this layer's (initialize.py)
+        engine["fp16"] = {k: v for k, v in engine["fp16"].items() if k != "auto_cast"}
     engine.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
     engine.setdefault("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     optimizer = raw.get("optimizer")

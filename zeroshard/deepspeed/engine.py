@@ -33,7 +33,7 @@ from zeroshard.errors import CheckpointError, EngineUsageError
 # does when the config leaves them out (scripts and Accelerate branch on them).
 _DISABLED = ("wall_clock_breakdown", "flops_profiler_enabled", "autotuning_enabled", "memory_breakdown",
              "curriculum_learning_enabled", "data_efficiency_enabled", "data_sampling_enabled",
-             "random_ltd_enabled", "is_sanity_checks_enabled", "torch_autocast_enabled", "fp16_auto_cast",
+             "random_ltd_enabled", "is_sanity_checks_enabled", "torch_autocast_enabled",
              "is_deepcompile_enabled", "is_deepcompile_active", "zero_nvme_offload_optimizer",
              "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
              "zero_legacy_stage1", "zero_elastic_checkpoint", "use_node_local_storage",
@@ -217,6 +217,10 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.config.bf16.enabled
 
     bf16_enabled = bfloat16_enabled
+
+    def fp16_auto_cast(self) -> bool:
+        """Whether forward casts floating inputs (fp16 with `auto_cast`; else none, as DeepSpeed)."""
+        return self.engine.cast_inputs
 
     def _groups(self) -> list[dict[str, Any]]:
         """The optimizer's param groups; none for an engine built without one (as DeepSpeed's getters)."""

@@ -80,6 +80,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if native.stage3_scheduler is not None:  # `model.module.state_dict()` shows partitioned ones empty, as DeepSpeed
         native.stage3_scheduler.released_in_state_dict = "empty"
     register_engine(native)
+    # DeepSpeed casts no forward input, except positional ones to fp16 with fp16.auto_cast
+    fp16 = split.raw.get("fp16") or {}
+    native.cast_inputs = bool(fp16.get("enabled") and fp16.get("auto_cast"))
 
     if native.optimizer is None:
         scheduler = None

@@ -140,7 +140,7 @@ class ZeroEngine:
     overflows), last_grad_norm (pre-clipping global norm, when clipping or fp16 computed it),
     shard_world_size / shard_rank (the partition's world and rank: 1 and 0 at stage 0),
     inference (True when built without an optimizer: `optimizer` is then None, and backward and
-    step refuse).
+    step refuse), cast_inputs (floating forward inputs to the compute dtype; default True).
     """
 
     def __init__(self, module: nn.Module, optimizer: Any, config: ZeroConfig, device: torch.device,
@@ -154,6 +154,9 @@ class ZeroEngine:
         # No optimizer: an engine for forward only. Its "masters" are the parameters' partitions
         # in the compute dtype (nothing will be updated, so fp32 copies would only cost memory).
         self.inference = optimizer is None
+        # Floating inputs to the compute dtype, as FSDP2's cast_forward_inputs; the DeepSpeed layer
+        # turns it off, as DeepSpeed casts none (a float target would be rounded to bf16).
+        self.cast_inputs = True
         # The one place the stage is read: it picks a strategy per concern (grad_strategy.py,
         # param_strategy.py); everything below delegates to them instead of branching.
         grad_cls: type[GradSharding] = grad_sharding_for(self.stage)
@@ -232,8 +235,8 @@ class ZeroEngine:
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (floating inputs cast to the compute dtype)."""
-        if self.compute_dtype != torch.float32:
+        """Run the module (floating inputs cast to the compute dtype unless `cast_inputs` is off)."""
+        if self.cast_inputs and self.compute_dtype != torch.float32:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         return self._params.forward(lambda: self.module(*args, **kwargs))
 
