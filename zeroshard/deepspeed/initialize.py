@@ -94,7 +94,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             scheduler = lr_scheduler(native.optimizer)
         else:
             scheduler = lr_scheduler
-            scheduler.optimizer = native.optimizer  # it was built on the optimizer the engine replaced
+            scheduler.optimizer = native.optimizer  # the same one, unless a factory or the config built it
     elif split.scheduler is not None:
         scheduler = build_scheduler(split.scheduler, native.optimizer)
     else:

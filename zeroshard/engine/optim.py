@@ -1,4 +1,4 @@
-"""Taking over the user's optimizer: same class, groups and hyperparameters, over fp32 shards.
+"""Taking over the user's optimizer: the same object (or a factory's), over the fp32 shards.
 
 Partitioning optimizer state by flat element ranges is only correct for elementwise optimizers
 (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each element's update must depend on that element
@@ -8,7 +8,6 @@ refused by class name.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import torch
@@ -53,23 +52,19 @@ def check_user_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) ->
 
 
 def build_optimizer(optimizer: Any, shards: Sequence[ParamShard]) -> torch.optim.Optimizer:
-    """The real optimizer, over the masters of the trainable shards."""
+    """The real optimizer, over the masters of the trainable shards.
+
+    [Note: the user's optimizer object] A torch optimizer passed in is kept and re-pointed at the
+    masters (its param groups' "params"), as DeepSpeed re-points the client optimizer at its fp32
+    partitions: an LR scheduler built on it before initialize (the usual PyTorch order, and every
+    Accelerate or Trainer schedule) drives the groups the engine steps. A rebuilt copy would leave
+    such a scheduler changing an optimizer nothing steps, and the LR constant, silently."""
     trainable = [s for s in shards if s.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):
         master_of = {id(s.param): s.master for s in trainable}
-        groups = []
         for group in optimizer.param_groups:
-            g = {k: v for k, v in group.items() if k != "params"}
-            g["params"] = [master_of[id(p)] for p in group["params"] if id(p) in master_of]
-            groups.append(g)
-        cls = type(optimizer)
-        try:
-            accepted = inspect.signature(cls.__init__).parameters
-            kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            built = cls(groups, **kwargs)
-        except (TypeError, ValueError) as e:
-            raise ArgumentTypeError(f"could not rebuild {cls.__name__} over the parameter shards ({e}); "
-                            "pass a factory `params -> optimizer` to zeroshard.initialize instead") from e
+            group["params"] = [master_of[id(p)] for p in group["params"] if id(p) in master_of]
+        built = optimizer
     elif callable(optimizer):
         built = optimizer([s.master for s in trainable])
         if not isinstance(built, torch.optim.Optimizer):
