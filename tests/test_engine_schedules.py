@@ -45,10 +45,11 @@ def test_a_scheduler_built_before_initialize_sets_the_engines_lr(stage):
         assert out["warnings"] == []  # torch's "lr_scheduler.step() before optimizer.step()" sees the step
 
 
-def _accelerate(rank, world_size, which, stage):
+def _accelerate(rank, world_size, which, stage, where, phase):
     """A training loop as Accelerate users write it: a torch optimizer and LambdaLR warmup handed
-    to `accelerator.prepare` with a DeepSpeed plugin; Accelerate keeps the (non-DeepSpeed)
-    scheduler and steps it itself."""
+    to `accelerator.prepare` with a DeepSpeed plugin (Accelerate keeps the non-DeepSpeed scheduler
+    and steps it itself); `save_state` half-way, `get_state_dict` at the end; phase "load" is a
+    new run resuming from the saved state."""
     if which == "zeroshard":
         from samples.run_script import alias_deepspeed
 
@@ -63,33 +64,54 @@ def _accelerate(rank, world_size, which, stage):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage,
+                                                               "stage3_gather_16bit_weights_on_model_save": True}}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
     model, opt, loader, sched = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4),
                                                     sched)
-    losses = []
-    for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = list(loader)
+
+    def train(part):
+        losses = []
+        for x, y in part:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    if phase == "load":
+        accelerator.load_state(where)
+        return {"resumed": train(batches[4:])}
+    first = train(batches[:4])
+    accelerator.save_state(where)
+    rest = train(batches[4:])
+    return {"losses": first + rest, "rest": rest, "weights": accelerator.get_state_dict(model)}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("accelerate") is None,
                     reason="needs DeepSpeed and Accelerate (installed by tools/dev.sh test, best effort)")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_accelerate_with_a_deepspeed_plugin_gives_deepspeeds_losses(stage):
-    ours = run_ranks(_accelerate, 2, which="zeroshard", stage=stage, init_process_group=False, fresh=True,
-                     timeout=180)
-    theirs = run_ranks(_accelerate, 2, which="deepspeed", stage=stage, init_process_group=False,
-                       env={"DS_ACCELERATOR": "cpu"}, fresh=True, timeout=240)
+def test_accelerate_with_a_deepspeed_plugin_gives_deepspeeds_losses_and_resumes(tmp_path, stage):
+    def run(which, phase):
+        env = {"DS_ACCELERATOR": "cpu"} if which == "deepspeed" else {}
+        return run_ranks(_accelerate, 2, which=which, stage=stage, where=str(tmp_path / which), phase=phase,
+                         init_process_group=False, env=env, fresh=True, timeout=240)
+
+    ours, theirs = run("zeroshard", "save"), run("deepspeed", "save")
     # fp32, within 1e-5 relative (seen: 1e-7, the reductions' order): the warmup reaches the engine's
     # optimizer, where a constant LR differed by 1e-3 from the third step on
-    assert len(ours[0]) == 8
+    assert len(ours[0]["losses"]) == 8
     for mine, real in zip(ours, theirs):
-        assert mine == pytest.approx(real, rel=1e-5)
+        assert mine["losses"] == pytest.approx(real["losses"], rel=1e-5)
+    assert sorted(ours[0]["weights"]) == sorted(theirs[0]["weights"])
+    for name, tensor in theirs[0]["weights"].items():  # get_state_dict: the same names and values
+        assert torch.allclose(ours[0]["weights"][name], tensor, rtol=1e-5, atol=1e-7), name
+    # save_state / load_state in a new run: the schedule, the optimizer and the weights come back
+    resumed = run("zeroshard", "load")
+    for before, after in zip(ours, resumed):
+        assert after["resumed"] == before["rest"]

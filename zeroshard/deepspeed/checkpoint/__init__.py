@@ -1,0 +1,1 @@
+"""deepspeed.checkpoint: only the helper Accelerate imports from it (utils.py)."""
