@@ -323,13 +323,12 @@ def _refusals(rank, world_size, stage):
     for attempt in (lambda: engine.to("meta"), lambda: engine.half(), lambda: engine.offload_states(),
                     lambda: engine.zero_reduce_bucket_size(),
                     lambda: engine.backward(torch.ones(()), retain_graph=True),
-                    lambda: engine.set_gradient_accumulation_boundary(True), lambda: engine.compile()):
+                    lambda: engine.compile()):
         try:
             attempt()
             messages.append(None)
         except ZeroshardError as exc:
             messages.append(str(exc))
-    engine.set_gradient_accumulation_boundary(False)  # agrees with the engine's count: accepted
     sd = engine.state_dict()
     empties = [k for k, v in sd.items() if v.numel() == 0]
     full = engine._zero3_consolidated_16bit_state_dict()  # Accelerate's way to the full weights
@@ -348,7 +347,7 @@ def test_what_the_facade_refuses_is_one_line_naming_the_feature(stage):
                                                                           init_process_group=False)[0]
     assert consolidated
     names = ["to(meta)", "half()", "offload_states", "zero_reduce_bucket_size", "backward(retain_graph=True",
-             "set_gradient_accumulation_boundary", "compile"]
+             "compile"]
     for message, name in zip(messages, names):
         assert message and f"DeepSpeedEngine.{name}" in message and "\n" not in message, (name, message)
     assert not has_offload  # refused attributes are AttributeErrors: feature detection says no

@@ -45,7 +45,7 @@ def test_a_scheduler_built_before_initialize_sets_the_engines_lr(stage):
         assert out["warnings"] == []  # torch's "lr_scheduler.step() before optimizer.step()" sees the step
 
 
-def _accelerate(rank, world_size, which, stage, where, phase):
+def _accelerate(rank, world_size, which, stage, gas, where, phase):
     """A training loop as Accelerate users write it: a torch optimizer and LambdaLR warmup handed
     to `accelerator.prepare` with a DeepSpeed plugin (Accelerate keeps the non-DeepSpeed scheduler
     and steps it itself); `save_state` half-way, `get_state_dict` at the end; phase "load" is a
@@ -63,10 +63,9 @@ def _accelerate(rank, world_size, which, stage, where, phase):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage,
-                                                               "stage3_gather_16bit_weights_on_model_save": True}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=gas)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
     model, opt, loader, sched = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4),
@@ -76,12 +75,13 @@ def _accelerate(rank, world_size, which, stage, where, phase):
     def train(part):
         losses = []
         for x, y in part:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            accelerator.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+            with accelerator.accumulate(model):  # sets DeepSpeed's boundary; step() once per window
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(loss.item())
         return losses
 
     if phase == "load":
@@ -95,12 +95,14 @@ def _accelerate(rank, world_size, which, stage, where, phase):
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("accelerate") is None,
                     reason="needs DeepSpeed and Accelerate (installed by tools/dev.sh test, best effort)")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_accelerate_with_a_deepspeed_plugin_gives_deepspeeds_losses_and_resumes(tmp_path, stage):
+@pytest.mark.parametrize("stage,gas", [(2, 1), (1, 2), (3, 2)])
+def test_accelerate_with_a_deepspeed_plugin_gives_deepspeeds_losses_and_resumes(tmp_path, stage, gas):
+    """With accumulation Accelerate sets the boundary before each backward and calls the engine's
+    step() once per window (set_gradient_accumulation_boundary, once refused here)."""
     def run(which, phase):
         env = {"DS_ACCELERATOR": "cpu"} if which == "deepspeed" else {}
-        return run_ranks(_accelerate, 2, which=which, stage=stage, where=str(tmp_path / which), phase=phase,
-                         init_process_group=False, env=env, fresh=True, timeout=240)
+        return run_ranks(_accelerate, 2, which=which, stage=stage, gas=gas, where=str(tmp_path / which),
+                         phase=phase, init_process_group=False, env=env, fresh=True, timeout=240)
 
     ours, theirs = run("zeroshard", "save"), run("deepspeed", "save")
     # fp32, within 1e-5 relative (seen: 1e-7, the reductions' order): the warmup reaches the engine's

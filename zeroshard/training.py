@@ -50,12 +50,12 @@ class CheckpointingEngine(ZeroEngine):
         resumed run would update from part of a batch. allow_mid_accumulation=True saves anyway,
         without them (DeepSpeed's behaviour; zeroshard.deepspeed passes it).
         """
-        pending = self.micro_steps % self.gradient_accumulation_steps
+        pending = self.pending_micro_batches
         if pending and not allow_mid_accumulation:  # every rank is at the same micro-step: all refuse
             raise EngineUsageError(
                 f"save_checkpoint at micro-step {pending} of {self.gradient_accumulation_steps} of global step "
                 f"{self.global_steps + 1}: the gradients accumulated so far would not be saved; save right after "
-                f"the step() that completes the window (micro_steps % gradient_accumulation_steps == 0)")
+                f"the step() that completes the window (engine.pending_micro_batches == 0)")
         return self.checkpointer.save(path, tag, client_state, keep_last=keep_last, async_save=async_save,
                                       storage_options=storage_options, stateful=_scheduler(lr_scheduler))
 

@@ -88,10 +88,9 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.is_gradient_accumulation_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Accepted when it agrees with the engine's own micro-step count (as Accelerate's calls do)."""
-        if bool(is_boundary) != self.engine.is_gradient_accumulation_boundary():
-            raise refusal("set_gradient_accumulation_boundary (a boundary other than every "
-                          "gradient_accumulation_steps micro-steps)")
+        """DeepSpeed's override of the boundary (Accelerate sets it before every backward and calls
+        step() once per window): the native engine's set_gradient_accumulation_boundary."""
+        self.engine.set_gradient_accumulation_boundary(is_boundary)
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary step updated the weights (False after an fp16 overflow)."""

@@ -167,6 +167,8 @@ class ZeroEngine:
         self.shard_world_size = self.world_size if grad_cls.partitioned else 1
         self.shard_rank = self.rank if grad_cls.partitioned else 0
         self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._pending = 0  # backwards since the last applied step (read under the override)
         self.last_grad_norm: float | None = None
         self._backward_done = self._in_backward = self._reducing = False
         # Ranks per node, so the ledger can tell which collectives cross nodes (comm_ledger.py);
@@ -244,7 +246,24 @@ class ZeroEngine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next step() will update the weights."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the next backward and step() end an accumulation window, instead of the
+        engine counting gradient_accumulation_steps step() calls: DeepSpeed's override, which
+        Accelerate uses (it calls step() once per window, after the last backward). None counts
+        again. Every rank must say the same; the loss is still divided by gradient_accumulation_steps."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches whose gradients no step has applied yet: counted in step() calls, or
+        under set_gradient_accumulation_boundary in backwards (step() may come once per window)."""
+        if self._boundary is None:
+            return self.micro_steps % self.gradient_accumulation_steps
+        return self._pending
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
     def backward(self, loss: torch.Tensor) -> None:
@@ -271,6 +290,7 @@ class ZeroEngine:
             self.reducer.finish()
         self._params.end_backward()
         self._backward_done = True
+        self._pending += 1
 
     def _on_grad(self, shard: ParamShard, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: hand a finished gradient to the reducer and free it."""
@@ -293,8 +313,11 @@ class ZeroEngine:
         self._refuse_in_inference("step")
         if not self._backward_done:
             raise EngineUsageError("engine.step() called without engine.backward(loss) since the last step()")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._optimizer_step()
+        if boundary:
+            self._pending = 0
         self.micro_steps += 1
         self._backward_done = False
 
