@@ -32,13 +32,14 @@ from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
 from zeroshard.checkpointing.memory_tier import MemoryFolder, check_fits, node_bytes, write_memory_checkpoint
 from zeroshard.checkpointing.model_config import model_config_of
 from zeroshard.checkpointing.recovery import recover
+from zeroshard.checkpointing.repeat_save import SaveFingerprint, fingerprint, repeats
 from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
 from zeroshard.checkpointing.snapshot import BackgroundSave, Snapshot
 from zeroshard.checkpointing.stateful import encode_rank_state, name_stateful, scope_of, to_json_value
 from zeroshard.checkpointing.tiers import TierPolicy
 from zeroshard.errors import ConfigError, EngineUsageError
 from zeroshard.format import CheckpointReader
-from zeroshard.format.manifest import is_safe_file_name
+from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
 from zeroshard.peers import host_name
 from zeroshard.storage import Location
 
@@ -72,6 +73,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._eager, self._lazy = Snapshot(), Snapshot()  # async-save copies, reused from save to save
         self._background: BackgroundSave | None = None
+        self._changes = 0  # engine state changes seen (optimizer steps, loads): repeat_save.py
+        self._last_save: SaveFingerprint | None = None
         # copy-on-write (snapshot.py): a step must not change what a background save still reads
         if engine.optimizer is not None:  # (an inference engine's state changes only by loads)
             engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_state_change())
@@ -95,7 +98,10 @@ class Checkpointer:
         if keep_last is not None and keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
         root = Location(path, storage_options)
-        job, background = self._prepare(root, tag, objects, client_state, keep_last, async_save)
+        job, background, rank_state = self._prepare(root, tag, objects, client_state, keep_last, async_save)
+        now = fingerprint(root.url_of(job.tag), self._changes, job, rank_state, self.engine.module)
+        if repeats(now, self._last_save, self.group, lambda: root.child(job.tag).exists(MANIFEST_NAME)):
+            return now.url  # repeat_save.py: the committed checkpoint already holds all of it
         if not async_save:
             write_and_commit(job, self.group)
         else:
@@ -103,6 +109,7 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._run_in_background,
                                             args=(write_and_commit, job, self.group), name="zeroshard-save")
             self._thread.start()
+        self._last_save = now  # (an async one's failure is raised by the wait() before any repeat)
         return root.url_of(job.tag)
 
     def _objects_and_tag(self, tag: str | None, stateful: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
@@ -114,9 +121,10 @@ class Checkpointer:
         return objects, tag
 
     def _prepare(self, root: Location, tag: str, objects: dict[str, Any], client_state: Any,
-                 keep_last: int | None, async_save: bool) -> tuple[SaveJob, BackgroundSave | None]:
+                 keep_last: int | None, async_save: bool) -> tuple[SaveJob, BackgroundSave | None, bytes]:
         """What every save does on the training thread: gather the contents (and, async, take the
-        snapshot), then one exchange of the outcome, the checkpoint id and the rank-state sizes."""
+        snapshot), then one exchange of the outcome, the checkpoint id and the rank-state sizes.
+        Also returns this rank's encoded per-rank states."""
         engine = self.engine
         error = contents = background = None
         rank_state = b""
@@ -144,7 +152,7 @@ class Checkpointer:
                       background.fill if background is not None else contents.fill, manifest_extra,
                       client_state if engine.rank == 0 else None, keep_last,
                       write_behind=background is None or not background.reads_in_place)
-        return job, background
+        return job, background, rank_state
 
     def save_memory(self, tag: str | None = None, client_state: dict | None = None, *, durable: str | None = None,
                     storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None) -> str:
@@ -156,7 +164,7 @@ class Checkpointer:
         self.wait()
         engine = self.engine
         objects, tag = self._objects_and_tag(tag, stateful)
-        job, background = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
+        job, background, _ = self._prepare(self.memory.location, tag, objects, client_state, None, async_save=True)
         error = None
         try:
             self.memory.check_owner()  # one job per folder (memory_tier.py), before anything else
@@ -249,6 +257,7 @@ class Checkpointer:
         """Copy what a running background save has not written yet (copy-on-write): called by
         the optimizer's step pre-hook, and by the engine conveniences before restoring state.
         Call it before changing the engine's masters or optimizer state any other way."""
+        self._changes += 1
         if self._background is not None:
             self._background.detach()
 
@@ -260,6 +269,7 @@ class Checkpointer:
         self._background = None
         if self._error is not None:
             error, self._error = self._error, None
+            self._last_save = None  # that save committed nothing: a repeat of it is no repeat
             raise error
 
     def _run_in_background(self, run: Callable[..., None], *args: Any) -> None:

@@ -63,9 +63,9 @@ class DeepSpeedEngine(nn.Module):
         return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        if retain_graph or not scale_wrt_gas:
-            raise refusal("backward(retain_graph=True / scale_wrt_gas=False)")
-        self.engine.backward(loss)
+        if retain_graph:
+            raise refusal("backward(retain_graph=True)")
+        self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:

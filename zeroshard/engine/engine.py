@@ -266,8 +266,10 @@ class ZeroEngine:
         return self._pending
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale);
+        scale_wrt_gas=False: `loss` as given, already divided by the caller (as DeepSpeed's flag,
+        which the Hugging Face Trainer passes)."""
         self._refuse_in_inference("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ArgumentTypeError("engine.backward expects the scalar loss tensor")
@@ -277,7 +279,7 @@ class ZeroEngine:
         if self._reducing:
             self.reducer.begin()
         self._params.begin_backward()
-        factor = self.scaler.scale / self.gradient_accumulation_steps
+        factor = self.scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         self._in_backward = True
         try:
             (loss.float() * factor if factor != 1.0 else loss).backward()
