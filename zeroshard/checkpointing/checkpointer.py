@@ -110,7 +110,7 @@ class Checkpointer:
                                             args=(write_and_commit, job, self.group), name="zeroshard-save")
             self._thread.start()
         self._last_save = now  # (an async one's failure is raised by the wait() before any repeat)
-        return root.url_of(job.tag)
+        return now.url
 
     def _objects_and_tag(self, tag: str | None, stateful: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
         """The Stateful objects of this save and its tag (step-NNNNNNNN by default), checked."""

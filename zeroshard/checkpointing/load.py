@@ -376,8 +376,7 @@ def load_pretrained(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         folder, tensors, notes = open_model(path, storage_options)
         for note in notes if target.rank == 0 else []:
             warnings.warn(f"load_pretrained: {note}", stacklevel=3)
-        prefixes = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or [])
-        renamed = stripped_names(path, [t.name for t in tensors], prefixes, option="strip_prefix")
+        renamed = stripped_names(path, [t.name for t in tensors], strip_prefix, option="strip_prefix")
         by_name: dict[str, SourceTensor] = dict(zip(renamed, tensors))
         # a full model does not say which tensors are buffers: names decide, as in torch's load_state_dict
         saved = {n: tuple(t.shape) for n, t in by_name.items() if n not in target.aliases}

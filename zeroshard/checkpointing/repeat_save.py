@@ -27,7 +27,7 @@ from zeroshard.agree import gather_all
 class SaveFingerprint:
     url: str
     changes: int  # the Checkpointer's count of engine state changes when it was taken
-    manifest: str  # rank 0: client_state and global Stateful states as JSON ("" elsewhere)
+    manifest: str  # client_state and the manifest's extra fields as JSON (rank 0's; empty ones elsewhere)
     rank_state: bytes  # this rank's per-rank Stateful states (RNG streams), as encoded for the file
     buffers: list[torch.Tensor]
 

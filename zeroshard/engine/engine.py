@@ -315,10 +315,8 @@ class ZeroEngine:
         self._refuse_in_inference("step")
         if not self._backward_done:
             raise EngineUsageError("engine.step() called without engine.backward(loss) since the last step()")
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
+        if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
-        if boundary:
             self._pending = 0
         self.micro_steps += 1
         self._backward_done = False

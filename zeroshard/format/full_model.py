@@ -44,14 +44,16 @@ def strip(name: str, prefixes: list[str]) -> str:
     return name
 
 
-def stripped_names(url: str, names: list[str], strip_prefix: list[str] | None,
+def stripped_names(url: str, names: list[str], strip_prefix: str | list[str] | None,
                    option: str = "--strip-prefix") -> list[str]:
-    """`names`, each without the first of `strip_prefix` it starts with; a name left empty, or two
-    names made one, is an error naming them (and `option`, how the caller spells the setting)."""
+    """`names`, each without the first of `strip_prefix` (one prefix or several) it starts with; a
+    name left empty, or two names made one, is an error naming them (and `option`, how the caller
+    spells the setting)."""
+    prefixes = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or [])
     out: list[str] = []
     seen: dict[str, str] = {}
     for name in names:
-        new = strip(name, strip_prefix or [])
+        new = strip(name, prefixes)
         if not new:
             raise ZeroshardError(f"{url}: {option} leaves tensor {name!r} with an empty name")
         if new in seen:
