@@ -314,7 +314,7 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
             if value.is_floating_point() and name not in forced:
                 left_as_buffers.append(name)
     imp.param_groups = groups
-    imp.optimizer_class = optimizer_class_of(groups) if layout.optimizer_prefix else None
+    imp.optimizer_class = optimizer_class_of(groups, notes=imp.notes) if layout.optimizer_prefix else None
     steps = [v["step"]["value"] for v in imp.scalar_state.values() if "step" in v]
     _carry_extras(imp, extras, notes)
     trained = imp.client_state.get("train_state", {}).get("step") if isinstance(imp.client_state, dict) else None

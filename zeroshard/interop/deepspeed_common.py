@@ -150,7 +150,7 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     declared = str((ds_config.get("optimizer") or {}).get("type", ""))
     if declared.lower() == "adam" and (ds_config["optimizer"].get("params") or {}).get("adam_w_mode", True):
         declared = "AdamW"  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-    imp.optimizer_class = optimizer_class_of(hyper, declared)
+    imp.optimizer_class = optimizer_class_of(hyper, declared, imp.notes)
 
     module = model.get("module") or {}
     imp.buffers = {n: module[n].materialize() if isinstance(module[n], LazyTensor) else module[n].detach().clone()
