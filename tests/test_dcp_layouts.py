@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from torch_versions import fsdp2_reference
 
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
@@ -146,6 +147,7 @@ def _check_trained(imp, layout_note):
     assert imp.notes[0] == f"DCP layout: {layout_note}"
 
 
+@fsdp2_reference
 def test_flattened_optimizer_resumes_like_fsdp2(tmp_path, fsdp_layouts):
     folder, fsdp_next = fsdp_layouts
     imp = read_dcp(str(folder / "flattened"))
@@ -155,6 +157,7 @@ def test_flattened_optimizer_resumes_like_fsdp2(tmp_path, fsdp_layouts):
     _resumes_like(tmp_path / "zs", fsdp_next)
 
 
+@fsdp2_reference
 def test_optimizer_key_resumes_like_fsdp2(tmp_path, fsdp_layouts):
     folder, fsdp_next = fsdp_layouts
     _check_trained(read_dcp(str(folder / "optimizer_key")), "'model.*', nested 'optimizer.*'")
@@ -199,6 +202,7 @@ def _fsdp2_frozen(rank, world_size, out):
     return _fsdp2_train(rank, model, make_optimizer([p for p in model.parameters() if p.requires_grad]), save)
 
 
+@fsdp2_reference
 def test_frozen_parameters_the_optimizer_does_not_hold_resume_like_fsdp2(tmp_path):
     """The checkpoint cannot tell them from buffers (the import keeps them as buffers, with a
     note); the engine's load takes a floating buffer of a frozen parameter's name and shape as
@@ -396,6 +400,7 @@ def _accelerate(rank, world_size, out, full):
     return losses[3:]
 
 
+@fsdp2_reference
 def test_accelerate_fsdp_save_state(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
     out, full = tmp_path / "save_state", tmp_path / "full_state"
@@ -520,6 +525,7 @@ def test_lazy_reads_give_the_same_tensors_as_whole_reads(fsdp_layouts, monkeypat
                 assert torch.equal(value.read(start, end), flat[start:end]), (name, start, end)
 
 
+@fsdp2_reference
 def test_a_lazy_import_resumes_like_fsdp2(tmp_path, fsdp_layouts, monkeypatch):
     from zeroshard.interop import dcp_chunks
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from torch_versions import fsdp2_reference
 
 from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
@@ -65,6 +66,7 @@ def fsdp_checkpoint(tmp_path_factory):
     return folder, losses[3:]
 
 
+@fsdp2_reference
 def test_import_dcp_resumes_like_fsdp2(tmp_path, fsdp_checkpoint):
     folder, fsdp_next = fsdp_checkpoint
     out = tmp_path / "imported"

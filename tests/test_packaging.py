@@ -74,8 +74,11 @@ def venv(wheel, tmp_path_factory) -> Path:
     python = str(env_dir / "bin" / "python")
     # What pip would install for `pip install zeroshard` here: zeroshard alone, never a torch.
     report = tmp / "report.json"
+    pins = tmp / "constraints.txt"  # the project's pins but torch's: this environment's torch is the user's
+    pins.write_text("".join(line for line in (ROOT / "tools" / "constraints.txt").read_text().splitlines(True)
+                            if not line.startswith("torch==")))
     _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--dry-run", "--no-index",
-          "-c", str(ROOT / "tools" / "constraints.txt"), "--report", str(report), str(wheel)], cwd=tmp)
+          "-c", str(pins), "--report", str(report), str(wheel)], cwd=tmp)
     planned = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert planned == ["zeroshard"], planned
     _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-deps", str(wheel)],
@@ -93,7 +96,7 @@ def test_the_wheel_ships_the_package_and_its_promises(wheel):
     assert "zeroshard = zeroshard.cli:main" in entry_points
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     torch_req = [r for r in requires if r.startswith("torch")]
-    assert torch_req == ["torch>=2.4"], torch_req  # a floor, never a pin: the user's own torch stays
+    assert torch_req == ["torch>=2.8"], torch_req  # a floor, never a pin: the user's own torch stays
     assert [r for r in requires if r.startswith("s3fs")] == [r for r in requires if r.startswith("s3fs")
                                                               and "extra ==" in r]
     assert any(r.startswith("s3fs") and 'extra == "s3"' in r for r in requires)
@@ -177,3 +180,12 @@ def test_pyproject_builds_with_the_setuptools_a_cuda_environment_already_has() -
     assert meta["build-system"]["requires"] == ["setuptools>=61"]
     assert not isinstance(meta["project"].get("license"), str)
     assert "license-files" not in meta["project"]  # PEP 639 too
+
+
+def test_the_declared_torch_floor_is_the_one_tools_dev_sh_floor_tests():
+    import re
+
+    declared = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    tested = re.search(r"^FLOOR_TORCH=([0-9.]+)$", (ROOT / "tools" / "dev.sh").read_text(), re.M).group(1)
+    assert tested.split(".")[:2] == declared.split(".")[:2], (declared, tested)
+    assert f"`torch>={declared}`" in (ROOT / "README.md").read_text()  # and the README says the same

@@ -5,6 +5,8 @@
 #   tools/dev.sh lint   - ruff alone (pass --fix to apply its safe fixes)
 #   tools/dev.sh gpu    - on a CUDA machine: GPU tests and benchmarks, one report (tools/gpu_suite.py);
 #                         elsewhere, or with --dry-run: print what it would run and exit 0
+#   tools/dev.sh floor  - the oldest torch pyproject.toml admits (FLOOR_TORCH), in .venv-torch-floor: the
+#                         tests most tied to torch's APIs and the demo; with arguments, pytest with them
 # Set-up: a virtual environment in .venv with torch pinned (tools/constraints.txt) and
 # zeroshard installed editable with its test extra. Re-runs are quick: a stamp file remembers
 # which pyproject/constraints the environment was built from.
@@ -89,6 +91,36 @@ gpu() {
     exec "$gvenv/bin/python" tools/gpu_suite.py --python "$gvenv/bin/python" "$@"
 }
 
+# The torch floor pyproject.toml declares (torch>=FLOOR_TORCH), tested rather than assumed. PyPI's
+# build of it is a CUDA build (about 5.5 GB with its NVIDIA packages) that runs on the CPU; pinned, so
+# pip resolves nothing else. Best effort like test_extras: without it the check says so and passes.
+FLOOR_TORCH=2.8.0
+FLOOR_TESTS=(tests/test_engine_parity.py tests/test_engine_stage3.py tests/test_engine_overlap.py tests/test_engine_meta.py
+             tests/test_engine_accumulation.py tests/test_engine_lifetime.py tests/test_buffers.py
+             tests/test_checkpoint_engine.py tests/test_checkpointer.py tests/test_interop_dcp.py
+             tests/test_dcp_older_torch.py tests/test_import_deepspeed.py tests/test_deepspeed_examples.py)
+floor() {
+    local fvenv="$root/.venv-torch-floor" fpy="$root/.venv-torch-floor/bin/python" pins
+    if [ "$(cat "$fvenv/.zeroshard-floor" 2>/dev/null)" != "$FLOOR_TORCH $(cat pyproject.toml | sha256sum | cut -c1-16)" ]; then
+        echo "== set-up: $fvenv with torch $FLOOR_TORCH (PyPI's CUDA build, run on the CPU: about 5.5 GB)"
+        rm -rf "$fvenv" && python3 -m venv "$fvenv"
+        pins=$(mktemp) && grep -v '^torch==' tools/constraints.txt > "$pins"
+        if ! timeout 1200 "$fpy" -m pip install -q "torch==$FLOOR_TORCH" 2> >(grep -v "is ignored: it is neither" >&2) ||
+           ! timeout 600 "$fpy" -m pip install -q -c "$pins" -e ".[test]" 2> >(grep -v "is ignored: it is neither" >&2); then
+            echo "== torch $FLOOR_TORCH could not be installed here: THE FLOOR CHECK DID NOT RUN" >&2
+            rm -rf "$fvenv" "$pins"; return 0
+        fi
+        rm -f "$pins"
+        echo "$FLOOR_TORCH $(cat pyproject.toml | sha256sum | cut -c1-16)" > "$fvenv/.zeroshard-floor"
+    fi
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    "$fpy" -c "import torch, zeroshard; assert torch.__version__.startswith('$FLOOR_TORCH'), torch.__version__"
+    if [ $# -gt 0 ]; then exec "$fpy" -m pytest -q "$@"; fi
+    echo "== floor: torch $FLOOR_TORCH, ${#FLOOR_TESTS[@]} test files and the demo"
+    "$fpy" -m pytest -q -p no:cacheprovider "${FLOOR_TESTS[@]}"
+    "$fpy" tools/demo.py
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -100,5 +132,6 @@ case "$cmd" in
           exec "$py" -m pytest -q "$@" ;;
     lint) setup; exec "$venv/bin/ruff" check "$@" . ;;
     gpu) gpu "$@" ;;
-    *) echo "usage: tools/dev.sh {demo|test|lint|setup|gpu} [args...]" >&2; exit 2 ;;
+    floor) floor "$@" ;;
+    *) echo "usage: tools/dev.sh {demo|test|lint|setup|gpu|floor} [args...]" >&2; exit 2 ;;
 esac

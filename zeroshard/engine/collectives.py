@@ -50,6 +50,8 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
 def broadcast(tensor: torch.Tensor, src: int, group: Any) -> Any:
     """`src` is a global rank, as torch.distributed.broadcast takes it."""
     LEDGER.record("broadcast", tensor.numel(), tensor.element_size(), group)
+    if tensor.is_complex():  # gloo in torch 2.8 refuses complex tensors (a Llama's freqs_cis): the same bytes
+        tensor = torch.view_as_real(tensor)
     return dist.broadcast(tensor, src=src, group=group)
 
 
