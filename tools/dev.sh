@@ -100,8 +100,9 @@ FLOOR_TESTS=(tests/test_engine_parity.py tests/test_engine_stage3.py tests/test_
              tests/test_checkpoint_engine.py tests/test_checkpointer.py tests/test_interop_dcp.py
              tests/test_dcp_older_torch.py tests/test_import_deepspeed.py)
 floor() {
-    local fvenv="$root/.venv-torch-floor" fpy="$root/.venv-torch-floor/bin/python" pins
-    if [ "$(cat "$fvenv/.zeroshard-floor" 2>/dev/null)" != "$FLOOR_TORCH $(cat pyproject.toml | sha256sum | cut -c1-16)" ]; then
+    local fvenv="$root/.venv-torch-floor" fpy="$root/.venv-torch-floor/bin/python" pins want
+    want="$FLOOR_TORCH $(sha256sum < pyproject.toml | cut -c1-16)"  # rebuilt when either changes
+    if [ "$(cat "$fvenv/.zeroshard-floor" 2>/dev/null)" != "$want" ]; then
         echo "== set-up: $fvenv with torch $FLOOR_TORCH (PyPI's CUDA build, run on the CPU: about 5.5 GB)"
         rm -rf "$fvenv" && python3 -m venv "$fvenv"
         pins=$(mktemp) && grep -v '^torch==' tools/constraints.txt > "$pins"
@@ -111,7 +112,7 @@ floor() {
             rm -rf "$fvenv" "$pins"; return 0
         fi
         rm -f "$pins"
-        echo "$FLOOR_TORCH $(cat pyproject.toml | sha256sum | cut -c1-16)" > "$fvenv/.zeroshard-floor"
+        echo "$want" > "$fvenv/.zeroshard-floor"
     fi
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     "$fpy" -c "import torch, zeroshard; assert torch.__version__.startswith('$FLOOR_TORCH'), torch.__version__"
