@@ -1,17 +1,22 @@
 """Hugging Face's Trainer with a DeepSpeed config, run on zeroshard.deepspeed (`import deepspeed`
 pointed at it, as samples/run_script.py does) and on real DeepSpeed 0.19.8: the same losses, a
 save every 3 steps (at stage 3 the Trainer saves the same tag twice: the second is a no-op,
-repeat_save.py) and a resume from checkpoint-3 in a new run. Needs transformers, Accelerate and
+repeat_save.py) and a resume from checkpoint-3 in a new run, which saves checkpoint-6 again over
+the one there (overwritten, as DeepSpeed does, once the new one is committed). Needs transformers, Accelerate and
 DeepSpeed (the test extras; skipped without them)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import zeroshard
+from zeroshard.toolkit.verify import verify
 
 from distributed import run_ranks
 
@@ -63,6 +68,16 @@ def test_the_trainer_with_a_deepspeed_config_gives_deepspeeds_losses_and_resumes
     assert len(ours) == 6 and ours == pytest.approx(theirs, rel=1e-5)  # fp32 (seen: equal to 5 digits)
     saved = tmp_path / "zeroshard" / "checkpoint-3"
     assert (saved / "global_step3" / "zeroshard.json").exists() and (saved / "trainer_state.json").exists()
-    shutil.rmtree(tmp_path / "zeroshard" / "checkpoint-6")  # the job stopped after checkpoint-3
+    # A rollback: resumed from checkpoint-3 while checkpoint-6 exists, the Trainer saves checkpoint-6 again.
+    # DeepSpeed overwrites it; so do we, swapping the new one in only once it is committed.
+    later = tmp_path / "zeroshard" / "checkpoint-6" / "global_step6"
+    old_id = json.loads((later / "zeroshard.json").read_text())["id"]
     resumed = run("zeroshard", resume=True)
     assert resumed[3:] == pytest.approx(ours[3:], rel=1e-5)  # steps 4-6 again, schedule and Adam state restored
+    assert json.loads((later / "zeroshard.json").read_text())["id"] != old_id
+    assert sorted(os.listdir(later)) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors",
+                                         "zeroshard.json"] and verify(str(later)).ok
+    weights_file = later.parent / "model.safetensors"  # the Trainer's own save of the same step, when it makes one
+    if weights_file.exists():
+        theirs_now, ours_now = load_file(str(weights_file)), zeroshard.load_state_dict(str(later))
+        assert all(torch.equal(ours_now[k], v) for k, v in theirs_now.items() if k in ours_now)

@@ -36,14 +36,18 @@ class CheckpointingEngine(ZeroEngine):
 
     def save_checkpoint(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
                         keep_last: int | None = None, async_save: bool = False, lr_scheduler: Any = None,
-                        storage_options: dict | None = None, allow_mid_accumulation: bool = False) -> str:
+                        storage_options: dict | None = None, allow_mid_accumulation: bool = False,
+                        overwrite: bool = False) -> str:
         """Save to `path/tag` (tag: step-NNNNNNNN by default), every rank writing its own shard;
         rank 0 commits the manifest once all have succeeded, then moves `path/latest`.
 
         client_state: JSON-serializable dict returned by load_checkpoint. keep_last: prune older
         checkpoints in `path` after the commit. async_save: snapshot now, write in a background
         thread (the next save, wait(), load or exit joins it and raises its error). Returns the
-        checkpoint's URL. Raises CheckpointSaveError on every rank if any rank failed.
+        checkpoint's URL. Raises CheckpointSaveError on every rank if any rank failed. A committed
+        checkpoint of this tag is refused, or with overwrite=True replaced once the new one
+        commits (the old one stays whole until then; zeroshard.deepspeed passes it, as DeepSpeed
+        overwrites).
 
         Between accumulation boundaries (some micro-batches of the next step already backpropagated)
         the save is refused with EngineUsageError: the accumulated gradients are not saved, so a
@@ -57,7 +61,8 @@ class CheckpointingEngine(ZeroEngine):
                 f"{self.global_steps + 1}: the gradients accumulated so far would not be saved; save right after "
                 f"the step() that completes the window (engine.pending_micro_batches == 0)")
         return self.checkpointer.save(path, tag, client_state, keep_last=keep_last, async_save=async_save,
-                                      storage_options=storage_options, stateful=_scheduler(lr_scheduler))
+                                      storage_options=storage_options, stateful=_scheduler(lr_scheduler),
+                                      overwrite=overwrite)
 
     def wait(self) -> None:
         """Wait for a background save; raise its error if it failed."""

@@ -82,12 +82,14 @@ class Checkpointer:
 
     def save(self, path: str, tag: str | None = None, client_state: dict | None = None, *,
              keep_last: int | None = None, async_save: bool = False, storage_options: dict | None = None,
-             stateful: Mapping[str, Any] | None = None) -> str:
+             stateful: Mapping[str, Any] | None = None, overwrite: bool = False) -> str:
         """Save to `path/tag` (tag: step-NNNNNNNN by default); rank 0 commits once every rank
         succeeded, then moves `path/latest` and prunes to `keep_last` checkpoints. Returns the
         checkpoint's URL. async_save: snapshot now, write on a background thread (the next
         save, load, wait() or exit joins it and raises its error). `stateful`: more objects,
-        for this call only. Raises CheckpointSaveError on every rank if any rank failed."""
+        for this call only. A committed checkpoint of this tag is refused, or with `overwrite`
+        replaced: the new files are staged beside it and swapped in at the commit, so the old
+        one stays whole until then. Raises CheckpointSaveError on every rank if any rank failed."""
         path = os.fspath(path)  # any os.PathLike
         if self.engine.optimizer is None:  # the same on every rank: all refuse
             raise EngineUsageError("save_checkpoint on an engine built without an optimizer (for inference): a "
@@ -99,6 +101,7 @@ class Checkpointer:
             raise ConfigError("keep_last must be at least 1")
         root = Location(path, storage_options)
         job, background, rank_state = self._prepare(root, tag, objects, client_state, keep_last, async_save)
+        job.overwrite = overwrite
         now = fingerprint(root.url_of(job.tag), self._changes, job, rank_state, self.engine.module)
         if repeats(now, self._last_save, self.group, lambda: root.child(job.tag).exists(MANIFEST_NAME)):
             return now.url  # repeat_save.py: the committed checkpoint already holds all of it

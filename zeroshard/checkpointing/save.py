@@ -3,11 +3,13 @@
     1. every rank gathers its contents (no storage is touched yet); the ranks agree
        (zeroshard.agree) on the outcome, the checkpoint id and the sizes of their rank-state
        blobs, so all list the same tensors;
-    2. rank 0 claims the tag (docs/SAFETY.md) and refuses a committed one; the ranks agree on
+    2. rank 0 claims the tag (docs/SAFETY.md) and refuses a committed one (with `overwrite`, it
+       picks a hidden stage in the tag's folder for the new files instead); the ranks agree on
        that before any of them writes a byte, so two jobs saving one tag never mix;
     3. every rank streams its file (local or s3://), durably, hashing as it goes;
     4. the ranks agree on the results (file entries, or the errors); only if every rank
-       succeeded does rank 0 write the manifest (the commit), then move `latest`, then prune
+       succeeded does rank 0 write the manifest (the commit; over a committed tag, the swap of
+       format.output: the old checkpoint stays whole until then), then move `latest`, then prune
        checkpoints beyond keep_last; the outcome is agreed once more, so a failure raises
        CheckpointSaveError on every rank and never moves `latest`.
 Steps 2-4 may run on a background thread (Checkpointer, async saves), on a gloo group of their
@@ -35,9 +37,11 @@ from zeroshard.errors import (
 from zeroshard.format import build_manifest, commit_checkpoint, rank_contents, update_latest, write_rank_file
 from zeroshard.format.folder import load_manifest
 from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
+from zeroshard.format.output import PreparedOutput
 from zeroshard.storage import Location
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
 from zeroshard.storage.leftovers import remove_leftovers_of_others
+from zeroshard.storage.location import is_temp_name
 
 ACTION = "the checkpoint save"
 
@@ -60,25 +64,45 @@ class SaveJob:
     # only when fill's bytes stay unchanged until its next write, i.e. not when an async save
     # reads live tensors in place (copy-on-write marks a tensor written once fill returns)
     write_behind: bool = False
+    # replace a committed checkpoint of this tag (DeepSpeed's behaviour): the new files go to a
+    # stage and are swapped in at the commit, so the old checkpoint stays whole until then
+    overwrite: bool = False
 
 
-def claim_tag(root: Location, tag: str) -> Claim:
+def claim_tag(root: Location, tag: str, overwrite: bool = False) -> tuple[Claim, str | None]:
     """Rank 0, before anything is written: of two jobs saving one tag into one root exactly one
-    proceeds, and a committed checkpoint of this tag is refused (it is never touched)."""
+    proceeds, and a committed checkpoint of this tag is refused (it is never touched). With
+    `overwrite` it is kept until the new one commits: returns the name of the hidden stage (in
+    the tag's folder) the ranks write to instead, else None (they write into the folder)."""
     if root.is_link(tag):
         raise CheckpointError(root.url_of(tag), "is a symbolic link; a save writes only inside its root")
-    claim = take_claim(root.child(tag), "checkpoint tag", job_scoped=True)
+    target = root.child(tag)
+    claim = take_claim(target, "checkpoint tag", job_scoped=True)
     try:
-        if root.child(tag).exists(MANIFEST_NAME):
+        committed = target.exists(MANIFEST_NAME)
+        if committed and not overwrite:
             # a second save at the same step lands on the same default tag: say how to proceed
             raise CheckpointSaveError(f"{root.url_of(tag)}: a committed checkpoint with this tag exists and is never "
                                       f"overwritten; pass another tag (save(path, tag=...)), save into a new root, "
-                                      f"or remove that folder first")
-        remove_leftovers_of_others(root.child(tag), claim.took_over)  # what an earlier, killed or torn save left
+                                      f"pass overwrite=True (it is replaced once the new one commits), or remove "
+                                      f"that folder first")
+        remove_leftovers_of_others(target, claim.took_over)  # what an earlier, killed or torn save left
+        stage = target.temp_name("stage") if committed else None
+        if stage is not None:
+            target.child(stage).makedirs()
     except BaseException:
         claim.release()
         raise
-    return claim
+    return claim, stage
+
+
+def staged_swap(target: Location, stage: str) -> PreparedOutput:
+    """Rank 0, at the commit of an overwrite: format.output's swap of the rank files written in
+    `target/stage` over the committed checkpoint in `target` (the old manifest goes, the new
+    files move up, old rank files the new checkpoint does not use go, the new manifest is
+    written, the stage is removed). Its `swapping` says whether it got past the old manifest."""
+    previous = [n for n in target.list() if not is_temp_name(n) and n != CLAIM_NAME]
+    return PreparedOutput(target, target.child(stage), previous, claim=None)  # the tag's claim is the save's
 
 
 def agree_on_save(error: BaseException | None, group: Any, payload: Any,
@@ -116,9 +140,13 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
     disk, often) leaves no rank files to fill the disk again. Only once the ranks agreed on the
     failure (agree_on_save's `abandon`): a rank that lost its peers keeps its file, since rank 0
     may have committed. Once the manifest is written the files are committed and stay, whatever
-    fails after. See [Note: torn saves] for what rank 0 does with its claim."""
+    fails after. See [Note: torn saves] for what rank 0 does with its claim. With `job.overwrite`
+    over a committed tag the ranks write into a stage in the tag's folder, and all of the above
+    holds for the stage: the old checkpoint is not touched until rank 0's swap."""
     target = job.root.child(job.tag)
     claim: Claim | None = None
+    stage: str | None = None
+    swap: PreparedOutput | None = None
     abandoned = False
     settled = False  # rank 0: the save committed, or every rank that goes on knows it failed
 
@@ -130,14 +158,15 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
         error = None
         if job.rank == 0:
             try:
-                claim = claim_tag(job.root, job.tag)
+                claim, stage = claim_tag(job.root, job.tag, job.overwrite)
             except Exception as exc:  # another writer, or a committed tag: nobody writes
                 error = exc
-        agree_on_save(error, group, None, nothing_written)
+        stage = agree_on_save(error, group, stage, nothing_written)[0]  # rank 0's
+        where = target.child(stage) if stage is not None else target
         try:
-            target.makedirs()
+            where.makedirs()
             specs = job.contents.specs
-            result = write_rank_file(target, job.checkpoint_id, job.rank, job.world_size,
+            result = write_rank_file(where, job.checkpoint_id, job.rank, job.world_size,
                                      rank_contents(specs, job.world_size, job.rank), job.fill,
                                      write_behind=job.write_behind)
             error = None
@@ -149,7 +178,7 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             abandoned = settled = True
             if result is not None:  # the tag is still claimed: nobody else writes there now
                 with contextlib.suppress(Exception):  # the save's own error is the one to report
-                    target.remove(result.file.name)
+                    where.remove(result.file.name)
 
         results = agree_on_save(error, group, result, abandon)
         error = None
@@ -161,7 +190,11 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
                                           client_state=job.client_state, **fields)
                 if claim is not None:
                     claim.check_held()  # a writer presumed gone never commits over its successor
-                commit_checkpoint(target, manifest)
+                if stage is None:
+                    commit_checkpoint(target, manifest)
+                else:
+                    swap = staged_swap(target, stage)
+                    swap.commit_checkpoint(manifest)
                 settled = True
                 update_latest(job.root, job.tag)
                 if job.keep_last:
@@ -169,6 +202,9 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             except Exception as exc:
                 error = exc if isinstance(exc, ZeroshardError) else CheckpointSaveError(
                     f"{target.url}: {type(exc).__name__}: {exc}")
+                if stage is not None and not settled:
+                    error = overwrite_failed(target, stage, swap, error)
+                    settled = not (swap is not None and swap.swapping) and drop_stage(target, stage)
         agree_on_save(error, group, None)
     finally:
         if claim is not None:
@@ -177,7 +213,31 @@ def write_and_commit(job: SaveJob, group: Any) -> None:
             else:
                 claim.mark_torn()
         if abandoned:  # whichever rank removes its file last also removes the folder
+            if stage is not None:
+                target.remove_if_empty(stage)
             job.root.remove_if_empty(job.tag)
+
+
+def overwrite_failed(target: Location, stage: str, swap: PreparedOutput | None,
+                     error: BaseException) -> CheckpointSaveError:
+    """Rank 0's commit of an overwrite failed: say which checkpoint the tag's folder now holds."""
+    if swap is not None and swap.swapping:  # docs/SAFETY.md, section 2: the window
+        return CheckpointSaveError(
+            f"{target.url}: the swap of the new checkpoint into place was interrupted ({error}); nothing is lost: "
+            f"the new checkpoint is whole in the folder and its stage {stage} (its manifest is there): move the "
+            f"stage's files up into {target.url}, then `zeroshard verify` it")
+    return CheckpointSaveError(f"{target.url}: save failed, nothing committed; the checkpoint already there is "
+                               f"unchanged: {error}")
+
+
+def drop_stage(target: Location, stage: str) -> bool:
+    """Rank 0, when an overwrite fails before its swap began (every rank is done writing):
+    remove the stage and the new files in it. True when it is gone."""
+    try:
+        target.remove(stage, recursive=True)
+    except Exception:  # then it is a torn save's leftover, removed later (see the Note below)
+        return False
+    return True
 
 
 # [Note: torn saves]

@@ -318,12 +318,14 @@ class DeepSpeedEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save to save_dir/tag (tag: global_step{N}, as DeepSpeed); client_state must be JSON data.
         Between accumulation boundaries it saves without the accumulated gradients, as DeepSpeed does
-        (zeroshard's own save_checkpoint refuses there)."""
+        (zeroshard's own save_checkpoint refuses there). A committed checkpoint of this tag is
+        replaced, as DeepSpeed does (the HF Trainer resumed from an earlier checkpoint saves its later
+        ones again), but only once the new one is committed: until then the old one stays whole."""
         if not save_latest or exclude_frozen_parameters:
             raise refusal("save_checkpoint(save_latest=False / exclude_frozen_parameters=True)")
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed allows ints
         self.engine.save_checkpoint(os.fspath(save_dir), tag, client_state=dict(client_state or {}),
-                                    lr_scheduler=self.lr_scheduler, allow_mid_accumulation=True)
+                                    lr_scheduler=self.lr_scheduler, allow_mid_accumulation=True, overwrite=True)
         return True
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
