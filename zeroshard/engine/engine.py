@@ -50,6 +50,7 @@ from zeroshard.engine.precision import LossScaler, cast_buffers, cast_floating
 from zeroshard.engine.stage3 import Stage3
 from zeroshard.errors import ArgumentTypeError, EngineUsageError, InvalidArgumentError
 from zeroshard.peers import peer_loss_translated
+from zeroshard.torch_version import require_supported_torch
 
 
 def _weak_grad_hook(engine: "ZeroEngine", shard: ParamShard) -> Callable[[torch.Tensor], None]:
@@ -87,6 +88,7 @@ def initialize(model: nn.Module,
     materialized here one module at a time (stage 3: never whole), each module initialized by
     `init_fn(module)` if given, else by its `reset_parameters()`; see meta_init.py.
     """
+    require_supported_torch()  # every rank has the same torch: all raise, none waits
     device = ensure_process_group()
     cfg, error = None, None
     try:

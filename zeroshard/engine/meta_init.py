@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.errors import InvalidArgumentError
+from zeroshard.torch_version import require_supported_torch
 
 InitFn = Callable[[nn.Module], None]
 
@@ -47,6 +48,7 @@ def zero_init(enabled: bool = True) -> Iterator[None]:
     The DeepSpeed spelling `deepspeed.zero.Init()` maps to this; enabled=False does nothing
     (as DeepSpeed's `enabled`).
     """
+    require_supported_torch()
     if not enabled:
         yield
         return

@@ -17,6 +17,7 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files
+from zeroshard.torch_version import require_supported_torch
 
 MAX_NESTING = 100  # containers inside containers in a foreign file: deeper is refused, not recursed into
 
@@ -83,6 +84,7 @@ def load_pt(path: str, folder: str | None = None, limit: int | None = None, allo
     import torch
 
     raw = files.read_inside(path, folder or files.parent(path), limit)  # torch's legacy format: read whole anyway
+    require_supported_torch()  # safe_globals as used here is torch 2.6's; below the floor it fails obscurely
     try:
         with torch.serialization.safe_globals([*STAND_INS, *allow]):
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
