@@ -51,7 +51,7 @@ def _import(src: Path, out: Path, *extra: str) -> str:
 
 def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int], bf16: bool = False,
             frozen: tuple[str, ...] = (), scheduler_steps: int = 0, fp16: dict | None = None,
-            groups: bool = False) -> dict:
+            groups: bool = False, clipping: float = 1.0) -> dict:
     """Resume `path` and train `steps`; with `scheduler_steps`, a LambdaLR(warmup) restored from the
     checkpoint is stepped that many times after each step (as Accelerate stepped it); with
     `groups`, the optimizer has interop_model.two_groups."""
@@ -59,13 +59,14 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
 
     model = make_model(1, frozen)
     optimizer = make_optimizer(two_groups(model)) if groups else make_optimizer
-    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": clipping,
               "train_micro_batch_size_per_gpu": MICRO_BATCH,
               "bf16": {"enabled": bf16}, "fp16": fp16 or {"enabled": False}}
     if bf16 or (fp16 or {}).get("enabled"):  # the fixtures' model was cast whole, its `scale` buffer too
         config["data_types"] = {"buffer_dtype": "bf16" if bf16 else "fp16"}  # (make_deepspeed_fixtures.py)
     engine = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
-    # gradient_clipping 1.0: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT since 0.1x), in force in the fixtures
+    # gradient_clipping 1.0: DeepSpeed 0.19's default (GRADIENT_CLIPPING_DEFAULT; 0.0 up to 0.16), in force in the
+    # fixtures; those of older releases record theirs (tests/test_deepspeed_releases.py)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup) if scheduler_steps else None
     client = engine.load_checkpoint(path, lr_scheduler=scheduler)
     losses = []
