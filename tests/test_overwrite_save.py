@@ -162,6 +162,10 @@ def test_an_overwrite_interrupted_inside_the_swap_keeps_the_new_checkpoint_whole
     assert not (root / "t" / "zeroshard.json").exists()  # un-committed: never loaded half old, half new
     kept = [x for x in find_leftovers(Location(str(root))) if x.kind == "staging folder"]
     assert len(kept) == 1 and kept[0].keep == KEEP_REASON and not kept[0].stale(0)
+    again = run_ranks(_saves, 2, timeout=120, root=str(root), steps=3)  # never written over, asked or not
+    for r in again:
+        assert "swap into place was interrupted" in r["plain"] and "interrupted" in r["overwrite"], r
+    assert [p.name for p in (root / "t").iterdir() if p.is_dir()] == [stages[0].name]
     for p in stages[0].iterdir():
         if not p.name.startswith("."):
             os.replace(p, root / "t" / p.name)  # the recovery SAFETY.md gives
