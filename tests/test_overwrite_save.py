@@ -33,7 +33,8 @@ def _train(engine: Any, seed: int) -> None:
     engine.step()
 
 
-def _saves(rank: int, world: int, root: str, steps: int, fail: str | None = None) -> dict[str, Any]:
+def _saves(rank: int, world: int, root: str, steps: int, fail: str | None = None,
+           async_save: bool = False) -> dict[str, Any]:
     """Train `steps` steps, then save tag "t" without and with overwrite. `fail`: make the
     overwrite fail, on rank 1's write ("write"), at rank 0's manifest ("manifest") or after the
     swap moved the first file up ("swap")."""
@@ -74,7 +75,8 @@ def _saves(rank: int, world: int, root: str, steps: int, fail: str | None = None
     elif fail == "swap":
         Location.move_into = move
     try:
-        out["overwrite"] = engine.save_checkpoint(root, tag="t", overwrite=True)
+        out["overwrite"] = engine.save_checkpoint(root, tag="t", overwrite=True, async_save=async_save)
+        engine.wait()  # an async one commits (or raises) here
     except zeroshard.CheckpointSaveError as exc:
         out["overwrite"] = "error: " + str(exc)
     finally:  # the worker process runs other tests after this one
@@ -105,12 +107,13 @@ def _first_save(root: Path, world_after: int = 2) -> dict[str, torch.Tensor]:
     return first["state"]
 
 
-def test_overwrite_replaces_a_committed_tag_at_another_world_size(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_overwrite_replaces_a_committed_tag_at_another_world_size(tmp_path, async_save):
     from zeroshard.toolkit.verify import verify
 
     root = tmp_path / "ck"
     _first_save(root, world_after=3)
-    result = run_ranks(_saves, 2, timeout=120, root=str(root), steps=3)
+    result = run_ranks(_saves, 2, timeout=120, root=str(root), steps=3, async_save=async_save)
     assert all("committed checkpoint with this tag exists" in r["plain"] and "overwrite=True" in r["plain"]
                for r in result)  # unasked, still refused
     assert result[0]["overwrite"] == str(root / "t")
