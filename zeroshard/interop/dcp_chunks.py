@@ -20,8 +20,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import LazyTensor, flat_range, is_tensor, materialize
-from zeroshard.interop.torch_pickle import STAND_INS
-from zeroshard.torch_version import require_supported_torch
+from zeroshard.interop.torch_pickle import allowlist
 
 LAZY_BYTES = 1 << 20  # tensors this big (with a dimension) are read on demand; smaller ones at once
 
@@ -41,9 +40,9 @@ def read_blob(folder: str, info: Any, what: str) -> Any:
         if info.offset + info.length > size:
             raise CheckpointError(path, f"{what}: file ends before byte {info.offset + info.length}")
         raw = files.read_range(reader, path, info.offset, info.length)
-    require_supported_torch()  # safe_globals as used here is torch 2.6's; below the floor it fails obscurely
+    allowed = allowlist()
     try:
-        with torch.serialization.safe_globals(STAND_INS):
+        with allowed:
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

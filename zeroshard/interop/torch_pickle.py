@@ -84,9 +84,9 @@ def load_pt(path: str, folder: str | None = None, limit: int | None = None, allo
     import torch
 
     raw = files.read_inside(path, folder or files.parent(path), limit)  # torch's legacy format: read whole anyway
-    require_supported_torch()  # safe_globals as used here is torch 2.6's; below the floor it fails obscurely
+    allowed = allowlist(allow)
     try:
-        with torch.serialization.safe_globals([*STAND_INS, *allow]):
+        with allowed:
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, AttributeError, TypeError) as exc:
         raise CheckpointError(path, f"refused to unpickle: {first_line(exc)}") from None
@@ -94,6 +94,16 @@ def load_pt(path: str, folder: str | None = None, limit: int | None = None, allo
         raise CheckpointError(path, f"not a readable torch file: {first_line(exc)}") from None
     except OSError as exc:
         raise CheckpointError(path, exc.strerror or str(exc)) from None
+
+
+def allowlist(extra: tuple = ()) -> Any:
+    """torch's weights_only allowlist of the stand-ins (and `extra`): a context manager to enter
+    around an unpickling. It checks the torch floor first: safe_globals with (class, name) pairs is
+    torch 2.6's, and below the floor it fails obscurely; so every allowlisted read refuses there."""
+    import torch
+
+    require_supported_torch()
+    return torch.serialization.safe_globals([*STAND_INS, *extra])
 
 
 def first_line(exc: BaseException) -> str:

@@ -27,9 +27,8 @@ from typing import Any
 from zeroshard.errors import CheckpointError, StorageError
 from zeroshard.interop import files
 from zeroshard.interop.imported import LazyTensor
-from zeroshard.interop.torch_pickle import MAX_NESTING, STAND_INS, first_line
+from zeroshard.interop.torch_pickle import MAX_NESTING, allowlist, first_line
 from zeroshard.storage.location import RangeReader
-from zeroshard.torch_version import require_supported_torch
 
 LAZY_BYTES = 1 << 20  # tensors this big are read on demand; smaller ones at once
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl is read whole: a structure, never the tensors' bytes
@@ -246,9 +245,9 @@ def _unpickle(src: Source) -> tuple[Any, dict[int, Record]]:
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(src.pread(pkl.size, pkl.offset - src.base)),
                                                   encoding="utf-8")
     unpickler.persistent_load = persistent_load
-    require_supported_torch()  # safe_globals as used here is torch 2.6's; below the floor it fails obscurely
+    allowed = allowlist()
     try:
-        with torch.serialization.safe_globals(STAND_INS):
+        with allowed:
             value = unpickler.load()
     except CheckpointError:
         raise
