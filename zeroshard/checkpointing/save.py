@@ -40,7 +40,7 @@ from zeroshard.format.manifest import MANIFEST_NAME, is_safe_file_name
 from zeroshard.format.output import PreparedOutput
 from zeroshard.storage import Location
 from zeroshard.storage.claim import CLAIM_NAME, Claim, take_claim
-from zeroshard.storage.leftovers import find_leftovers, remove_leftovers_of_others
+from zeroshard.storage.leftovers import remove_leftovers_of_others
 from zeroshard.storage.location import is_temp_name
 
 ACTION = "the checkpoint save"
@@ -86,11 +86,10 @@ def claim_tag(root: Location, tag: str, overwrite: bool = False) -> tuple[Claim,
                                       f"overwritten; pass another tag (save(path, tag=...)), save into a new root, "
                                       f"pass overwrite=True (it is replaced once the new one commits), or remove "
                                       f"that folder first")
-        remove_leftovers_of_others(target, claim.took_over)  # what an earlier, killed or torn save left
-        kept = [x.url for x in find_leftovers(target, recursive=False) if x.keep]
+        kept = remove_leftovers_of_others(target, claim.took_over)  # what an earlier, killed or torn save left
         if kept:  # an overwrite's swap was interrupted there: its stage may be the only whole copy of it
             raise CheckpointSaveError(f"{root.url_of(tag)}: an earlier save's swap into place was interrupted and "
-                                      f"{kept[0]} holds its manifest: move that stage's files up and `zeroshard "
+                                      f"{kept[0].url} holds its manifest: move that stage's files up and `zeroshard "
                                       f"verify` it, or remove the folder, before saving this tag again")
         stage = target.temp_name("stage") if committed else None
         if stage is not None:

@@ -63,19 +63,23 @@ def find_leftovers(location: Location, recursive: bool = True) -> list[Leftover]
         return _find_remote(location, recursive) + _find_uploads(location, recursive)
 
 
-def remove_leftovers_of_others(location: Location, took_over: bool = False) -> None:
+def remove_leftovers_of_others(location: Location, took_over: bool = False) -> list[Leftover]:
     """For a writer that has just claimed `location`, before it writes: remove the leftovers
     directly in it. The claim shuts out every other zeroshard writer, so whatever is here belongs
     to a dead one; only a live process of this host (an older zeroshard?) and an interrupted swap
     are spared. `took_over`: the claim was taken over from an earlier writer (Claim.took_over);
     then output files without a commit file are that writer's and go too (nobody commits them,
     and a save at another world size would otherwise leave them beside its own). Without a claim
-    before ours nothing says whose such files are, and they stay."""
+    before ours nothing says whose such files are, and they stay. Returns the interrupted swaps
+    it spared (their `keep` says why)."""
+    kept = []
     for leftover in find_leftovers(location, recursive=False):
-        if leftover.kind == "claim" or leftover.keep:
-            continue
-        if leftover.alive is not True or (took_over and leftover.kind == "uncommitted file"):
+        if leftover.keep:
+            kept.append(leftover)
+        elif leftover.kind != "claim" and (leftover.alive is not True
+                                           or (took_over and leftover.kind == "uncommitted file")):
             leftover.remove()
+    return kept
 
 
 # ---- local ---------------------------------------------------------------------------------
