@@ -189,3 +189,6 @@ def test_the_declared_torch_floor_is_the_one_tools_dev_sh_floor_tests():
     tested = re.search(r"^FLOOR_TORCH=([0-9.]+)$", (ROOT / "tools" / "dev.sh").read_text(), re.M).group(1)
     assert tested.split(".")[:2] == declared.split(".")[:2], (declared, tested)
     assert f"`torch>={declared}`" in (ROOT / "README.md").read_text()  # and the README says the same
+    from zeroshard.torch_version import TORCH_FLOOR
+
+    assert ".".join(map(str, TORCH_FLOOR)) == declared  # and the refusal below it (zeroshard/torch_version.py)

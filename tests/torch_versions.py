@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+from zeroshard.torch_version import torch_release
+
+TORCH = torch_release(torch.__version__)
 
 # FSDP2 over gloo in torch 2.8 sums the gradients where it averages them on NCCL: the moments it saves are
 # 2x and 4x DDP's at world 2 (measured against tests/data/dcp) and its losses after a resume differ.
