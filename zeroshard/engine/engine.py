@@ -171,6 +171,11 @@ class ZeroEngine:
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._pending = 0  # backwards since the last applied step (read under the override)
+        # micro_steps when the current count of accumulation windows began: 0, or the step count a
+        # checkpoint restored. A load starts a new window (no accumulated gradient is ever saved), and
+        # the windows of a run resumed with another gradient_accumulation_steps (as at another world
+        # size, to keep the global batch) must not be cut by the old run's count.
+        self._window_origin = 0
         self.last_grad_norm: float | None = None
         self._backward_done = self._in_backward = self._reducing = False
         # Ranks per node, so the ledger can tell which collectives cross nodes (comm_ledger.py);
@@ -250,7 +255,7 @@ class ZeroEngine:
         """Whether the next step() will update the weights."""
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps - self._window_origin + 1) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the next backward and step() end an accumulation window, instead of the
@@ -264,7 +269,7 @@ class ZeroEngine:
         """Micro-batches whose gradients no step has applied yet: counted in step() calls, or
         under set_gradient_accumulation_boundary in backwards (step() may come once per window)."""
         if self._boundary is None:
-            return self.micro_steps % self.gradient_accumulation_steps
+            return (self.micro_steps - self._window_origin) % self.gradient_accumulation_steps
         return self._pending
 
     @peer_loss_translated("the training step")  # a lost node: PeerLostError naming it
@@ -461,6 +466,9 @@ class ZeroEngine:
         accepts a subset of the parameters; adopt=True lets padded per-element optimizer state
         become the engine's without a copy (the caller gives it up)."""
         state.restore(self, engine_state, strict=strict, adopt=adopt)
+        if engine_state.counters is not None:  # a resumed run: its next step() call begins a window
+            self._zero_grads()
+            self._window_origin, self._pending = self.micro_steps, 0
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, rank={self.rank}/{self.world_size}, "
