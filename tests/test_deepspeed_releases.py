@@ -39,6 +39,10 @@ def test_an_older_deepspeeds_checkpoint_imports_exactly_and_resumes_with_its_los
     _import(folder, out)
     _, manifest = open_checkpoint(str(out))
     assert manifest.step == 3 and manifest.aliases == {"head.weight": "emb.weight"}
+    notes = " ".join(manifest.extra["import_notes"])
+    # `--deepspeed_config ds_config.json`: this release saved the file's path as ds_config
+    assert ("the path DeepSpeed read its config from" in notes) == (variant == "config_file"), notes
+    assert manifest.dtypes["compute"] == ("BF16" if variant.startswith("bf16") else "F32")
     if (folder / "expected.safetensors").exists():  # DeepSpeed's own zero_to_fp32 of the same files
         import zeroshard
 
@@ -55,3 +59,20 @@ def test_an_older_deepspeeds_checkpoint_imports_exactly_and_resumes_with_its_los
                     clipping=expected["gradient_clipping"], init_process_group=False, timeout=240)[0]
     assert got["global_steps"] == 6 and got["client"] == expected["client_state"]
     assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
+
+
+def test_a_saved_config_is_a_dict_a_base64_config_or_a_files_path():
+    """What DeepSpeed's engine saved as ds_config: up to 0.16 whatever initialize was given."""
+    import base64
+
+    import torch
+
+    from zeroshard.errors import CheckpointError
+    from zeroshard.interop.deepspeed_common import writer_config
+
+    config = {"train_batch_size": 8, "bf16": {"enabled": True}}
+    assert writer_config("m.pt", config) == config and writer_config("m.pt", None) == {}
+    assert writer_config("m.pt", base64.urlsafe_b64encode(json.dumps(config).encode()).decode()) == config
+    assert writer_config("m.pt", "configs/ds_config_zero3.json") is None
+    with pytest.raises(CheckpointError, match="m.pt: ds_config must be a dict or a string, got Tensor"):
+        writer_config("m.pt", torch.ones(1))

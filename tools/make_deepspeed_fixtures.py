@@ -40,7 +40,9 @@ stage3_subgroups (stage 3 with `sub_group_size` 20 and two param groups, interop
 DeepSpeed cuts the first group's partition into two flat groups, so param_shapes lists three);
 universal_stage3_subgroups (that through ds_to_universal); elastic_stage2 (stage 2 with
 `elastic_checkpoint`, which zeroshard refuses: saved only, DeepSpeed cannot resume it either);
-hf_trainer_ddp (the Trainer with no DeepSpeed, DDP over gloo, on interop_model.trainer_llama).
+hf_trainer_ddp (the Trainer with no DeepSpeed, DDP over gloo, on interop_model.trainer_llama);
+config_file (stage 2 configured the way DeepSpeed's launcher examples are, `args.deepspeed_config`
+naming a JSON file: releases that keep the path save it, not the config, as `ds_config`).
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ VARIANTS = {
     "elastic_stage2": {"stage": 2, "elastic": True, "refused": True},
     # the Trainer with no DeepSpeed (DDP over gloo): stage 0 means the engine resumes it as DDP
     "hf_trainer_ddp": {"stage": 0, "trainer": True, "ddp": True},
+    # DeepSpeed's own launcher recipe: `--deepspeed_config ds_config.json` parsed into args. Up to
+    # 0.16 at least, the engine keeps that path and saves it as the checkpoint's ds_config (0.19
+    # loads the file first and saves the dict)
+    "config_file": {"stage": 2, "config_file": True},
 }
 LORA = {"target_modules": ["fc"], "r": 2, "lora_alpha": 4, "init_lora_weights": False}  # random B: the adapters act
 # the HF Trainer fixture's schedule (transformers' get_scheduler arguments)
@@ -168,6 +174,14 @@ def _engine(variant: dict, seed: int, resume: bool = False):
     if variant.get("offload"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(variant, resume))
+    elif variant.get("config_file"):
+        import argparse
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(), "ds_config.json")
+        path.write_text(json.dumps(ds_config(variant, resume)))
+        args = argparse.Namespace(deepspeed_config=str(path), local_rank=int(os.environ["LOCAL_RANK"]))
+        engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=make_optimizer(model.parameters()))
     else:
         params = two_groups(model) if variant.get("groups") else model.parameters()
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(params),

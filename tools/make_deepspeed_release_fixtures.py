@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ["stage1", "stage2", "stage3", "bf16_stage2", "bf16_stage3", "frozen_stage3", "stage3_subgroups"]
+DEFAULT = ["stage1", "stage2", "stage3", "bf16_stage2", "bf16_stage3", "frozen_stage3", "stage3_subgroups",
+           "config_file"]
 
 
 def fp32_reference(folder: Path) -> None:

@@ -5,6 +5,8 @@ deepspeed_universal.py (ds_to_universal folders)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 from typing import Any
 
@@ -78,8 +80,9 @@ def check_param_shapes(where: str, groups_shapes: Any) -> list[dict[str, tuple[i
     return checked
 
 
-def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str, tuple[int, ...]]], dict]:
-    """(model-states dict, checked param_shapes, ds_config) of the file at `model_path`."""
+def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str, tuple[int, ...]]], dict | None]:
+    """(model-states dict, checked param_shapes, ds_config) of the file at `model_path`; ds_config
+    None: the checkpoint does not hold the writer's config (see writer_config)."""
     if not files.isfile(model_path):
         raise CheckpointError(model_path, "missing: the model-states file of this checkpoint")
     model = torch_zip.load_lazy(model_path, folder)  # stage 1-2's module weights stay unread
@@ -88,10 +91,23 @@ def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str
     if nesting_depth(model) > MAX_NESTING:
         raise CheckpointError(model_path, f"nested deeper than {MAX_NESTING} levels (client_state?)")
     groups_shapes = check_param_shapes(model_path, model["param_shapes"])
-    ds_config = model.get("ds_config") or {}
-    if not isinstance(ds_config, dict):
-        raise CheckpointError(model_path, f"ds_config must be a dict, got {type(ds_config).__name__}")
-    return model, groups_shapes, ds_config
+    return model, groups_shapes, writer_config(model_path, model.get("ds_config"))
+
+
+def writer_config(model_path: str, saved: Any) -> dict | None:
+    """The config DeepSpeed trained with, as its engine saved it: a dict, or (releases before it
+    loaded the config itself, 0.14-0.16 at least) whatever `initialize` was given: the path of a
+    JSON file (`--deepspeed_config ds_config.json`, DeepSpeed's launcher recipe), which the
+    checkpoint does not hold (None), or a base64-encoded JSON config, which it does."""
+    if saved is None or isinstance(saved, dict):
+        return saved or {}
+    if not isinstance(saved, str):
+        raise CheckpointError(model_path, f"ds_config must be a dict or a string, got {type(saved).__name__}")
+    try:  # DeepSpeedConfig's own rule: a string that is not a file is base64 of JSON
+        decoded = json.loads(base64.urlsafe_b64decode(saved.encode("ascii")).decode("utf-8"))
+    except (ValueError, UnicodeError):
+        return None
+    return decoded if isinstance(decoded, dict) else None
 
 
 def loss_scale_of(scaler: Any) -> dict[str, Any]:
@@ -129,12 +145,19 @@ def group_members(where: str, groups_shapes: list[dict], param_groups: Any) -> l
 
 
 def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, groups_shapes: list[dict],
-                    ds_config: dict, param_groups: Any, loss_scaler: Any,
+                    ds_config: dict | None, param_groups: Any, loss_scaler: Any,
                     frozen_fragments: dict[str, Any] | None = None) -> None:
     """Everything but the tensors of the optimizer files: hyperparameters (`param_groups`, the
     optimizer's saved list), buffers, frozen parameters (`frozen_fragments`: stage 3's, gathered
     over the ranks' files; else from `model`), ties, counters, dtypes, loss scale, scheduler,
-    client state."""
+    client state. ds_config None (a config file's path was saved): what the config would say is
+    taken from the files (the compute dtype from the saved module's parameters), with a note."""
+    if ds_config is None:
+        imp.notes.append(f"ds_config is {str(model.get('ds_config'))[:200]!r}, the path DeepSpeed read its config "
+                         "from, not the config: gradient_accumulation_steps is taken as 1 (micro_steps only; a "
+                         "resume starts a new window) and the compute dtype from the saved parameters")
+        ds_config = {}
+        _dtype_from_module(imp, model)
     hyper = []
     members = group_members(model_path, groups_shapes, param_groups)
     for g, shapes in enumerate(members):
@@ -172,7 +195,9 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     accumulation = int_field(model_path, ds_config.get("gradient_accumulation_steps"),
                              "ds_config.gradient_accumulation_steps", 1)
     imp.micro_steps = imp.global_steps * accumulation
-    if (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
+    if not ds_config:
+        pass  # no config: _dtype_from_module set it, or F32
+    elif (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
         imp.compute_dtype = "BF16"
     elif (ds_config.get("fp16") or {}).get("enabled"):
         imp.compute_dtype = "F16"
@@ -282,3 +307,15 @@ def gather_frozen_stage3(folder: str, world: int, model_path: str, model: dict) 
 def _holds_data(value: Any) -> bool:
     """A module tensor with elements (stage 3 saves parameters there as empty placeholders)."""
     return is_tensor(value) and value.numel() > 0
+
+
+def _dtype_from_module(imp: Imported, model: dict) -> None:
+    """The compute dtype of a run whose config is not in its checkpoint: DeepSpeed saves the
+    module's parameters in it (stage 3: their empty placeholders, of the same dtype)."""
+    import torch
+
+    names = {str(n) for shapes in (model.get("param_shapes") or []) if isinstance(shapes, dict) for n in shapes}
+    module = model.get("module") or {}
+    dtypes = {module[n].dtype for n in names if n in module and is_tensor(module[n])}
+    if len(dtypes) == 1:
+        imp.compute_dtype = {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtypes.pop(), "F32")
