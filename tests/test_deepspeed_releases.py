@@ -43,6 +43,8 @@ def test_an_older_deepspeeds_checkpoint_imports_exactly_and_resumes_with_its_los
     # `--deepspeed_config ds_config.json`: this release saved the file's path as ds_config
     assert ("the path DeepSpeed read its config from" in notes) == (variant == "config_file"), notes
     assert manifest.dtypes["compute"] == ("BF16" if variant.startswith("bf16") else "F32")
+    # these releases did not clip by default (0.0 before 0.19.3); zeroshard.deepspeed clips at 1.0
+    assert expected["gradient_clipping"] == 0.0 and "that run did not clip gradients" in notes, notes
     if (folder / "expected.safetensors").exists():  # DeepSpeed's own zero_to_fp32 of the same files
         import zeroshard
 

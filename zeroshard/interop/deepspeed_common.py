@@ -152,6 +152,7 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     over the ranks' files; else from `model`), ties, counters, dtypes, loss scale, scheduler,
     client state. ds_config None (a config file's path was saved): what the config would say is
     taken from the files (the compute dtype from the saved module's parameters), with a note."""
+    _note_clipping_default(imp, model, ds_config)
     if ds_config is None:
         imp.notes.append(f"ds_config is {str(model.get('ds_config'))[:200]!r}, the path DeepSpeed read its config "
                          "from, not the config: gradient_accumulation_steps is taken as 1 (micro_steps only; a "
@@ -319,3 +320,21 @@ def _dtype_from_module(imp: Imported, model: dict) -> None:
     dtypes = {module[n].dtype for n in names if n in module and is_tensor(module[n])}
     if len(dtypes) == 1:
         imp.compute_dtype = {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtypes.pop(), "F32")
+
+
+CLIPPING_DEFAULT_CHANGED = (0, 19, 3)  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT: 0.0 before, 1.0 from this release
+
+
+def _note_clipping_default(imp: Imported, model: dict, ds_config: dict | None) -> None:
+    """A run that left gradient_clipping to a DeepSpeed before 0.19.3 did not clip; the same config
+    clips at 1.0 under zeroshard.deepspeed (as under DeepSpeed >= 0.19.3): said, not changed, since
+    the config a resume uses is the user's."""
+    version = str(model.get("ds_version") or "")
+    parts = [int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit()]
+    if len(parts) < 2 or tuple(parts) >= CLIPPING_DEFAULT_CHANGED or (ds_config and "gradient_clipping" in ds_config):
+        return
+    why = ("its config did not set gradient_clipping, so" if ds_config is not None
+           else "if its config file did not set gradient_clipping,")
+    imp.notes.append(f"written by DeepSpeed {version}: {why} that run did not clip gradients (the default was 0.0 "
+                     "before DeepSpeed 0.19.3); zeroshard.deepspeed, like DeepSpeed 0.19.3 and later, clips at 1.0 "
+                     "by default: set \"gradient_clipping\": 0.0 to train on as before")
