@@ -39,9 +39,21 @@ def main(argv: list[str]) -> None:
             runs.append([])
         else:
             runs[-1].append(arg)
-    for args in runs:
+    for i, args in enumerate(runs):
+        if i:
+            between_runs()
         sys.argv = [script, *args]
         runpy.run_path(script, run_name="__main__")
+
+
+def between_runs() -> None:
+    """Every rank finished the previous run before any starts the next, as after a relaunch: a
+    file rank 0 alone writes at its end (DeepSpeed-Chat's pytorch_model.bin) is there for every
+    rank's next run to read (without this, rank 1 once read it before rank 0 had written it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":
