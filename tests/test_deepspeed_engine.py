@@ -531,3 +531,41 @@ def test_forward_inputs_are_cast_only_as_deepspeed_casts_them(fp16_auto_cast):
                        env={"DS_ACCELERATOR": "cpu"}, fresh=True, timeout=180)
     assert [o["losses"] for o in ours] == [t["losses"] for t in theirs]
     assert [o["auto_cast"] for o in ours] == [t["auto_cast"] for t in theirs] == [fp16_auto_cast] * 2
+
+
+def _module_only_load(rank, world_size, which, path):
+    """A warm start: load_checkpoint(load_module_only=True) into an engine that has trained a step."""
+    if which == "deepspeed":
+        import deepspeed
+    else:
+        import zeroshard.deepspeed as deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=torch.optim.AdamW(model.parameters()))
+    _train(engine, range(6), rank)  # 3 optimizer steps
+    engine.save_checkpoint(path, tag="pretrained")
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    model = make_model(1)
+    fresh, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=torch.optim.AdamW(model.parameters()))
+    _train(fresh, range(2), rank)  # 1 optimizer step
+    fresh.load_checkpoint(path, tag="pretrained", load_module_only=True)
+    same = all(torch.equal(v, saved[k]) for k, v in fresh.module.state_dict().items())
+    facts = {"weights_loaded": same, "global_steps": fresh.global_steps, "skipped": fresh.skipped_steps,
+             "lr": fresh.get_lr(), "scheduler_iteration": fresh.lr_scheduler.last_batch_iteration}
+    facts["next"] = _train(fresh, range(2, 6), rank)
+    facts["global_steps_after"] = fresh.global_steps
+    return facts
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
+def test_load_module_only_is_a_warm_start_as_in_deepspeed(tmp_path):
+    """The weights come; the step count, the schedule and the optimizer state stay (it restored
+    the counters, so a warm start went on from the pretrained run's step)."""
+    ours = run_ranks(_module_only_load, 1, which="zeroshard", path=str(tmp_path / "ours"), init_process_group=False)[0]
+    theirs = run_ranks(_module_only_load, 1, which="deepspeed", path=str(tmp_path / "theirs"),
+                       init_process_group=False, env={"DS_ACCELERATOR": "cpu"}, fresh=True)[0]
+    assert ours["weights_loaded"] and ours["global_steps"] == 1 and ours["global_steps_after"] == 3
+    assert {k: v for k, v in ours.items() if k != "next"} == {k: v for k, v in theirs.items() if k != "next"}
+    assert ours["next"] == pytest.approx(theirs["next"], rel=1e-5)

@@ -70,11 +70,15 @@ class CheckpointingEngine(ZeroEngine):
             self._checkpointer.wait()
 
     def load_checkpoint(self, path: str, *, strict: bool = True, load_optimizer_states: bool = True,
-                        lr_scheduler: Any = None, storage_options: dict | None = None) -> Any:
+                        lr_scheduler: Any = None, storage_options: dict | None = None,
+                        load_module_only: bool = False) -> Any:
         """Load a checkpoint saved at any world size and stage (a root follows `latest`);
-        returns its client_state. strict=False skips parameters missing on either side."""
+        returns its client_state. strict=False skips parameters missing on either side.
+        load_module_only: the weights and buffers only, as DeepSpeed's flag (a warm start: the
+        step counters, loss scale, optimizer state and scheduler stay as they are)."""
         return self.checkpointer.load(path, strict=strict, load_optimizer_states=load_optimizer_states,
-                                      storage_options=storage_options, stateful=_scheduler(lr_scheduler))
+                                      storage_options=storage_options, stateful=_scheduler(lr_scheduler),
+                                      load_module_only=load_module_only)
 
     def load_pretrained(self, path: str, *, strict: bool = True, storage_options: dict | None = None,
                         strip_prefix: str | list[str] | None = None) -> None:

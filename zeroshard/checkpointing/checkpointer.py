@@ -220,20 +220,23 @@ class Checkpointer:
         return self.tiers
 
     def load(self, path: str | None, *, strict: bool = True, load_optimizer_states: bool = True,
-             storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None) -> Any:
+             storage_options: dict | None = None, stateful: Mapping[str, Any] | None = None,
+             load_module_only: bool = False) -> Any:
         """Load a checkpoint saved at any world size and stage (a root follows `latest`) into
         the engine and the Stateful objects; returns its client_state. strict=False skips
         parameters missing on either side. Per-rank states (RNG) come back only at the same
         world size. Raises on every rank if any rank failed, before anything is restored.
         With `tiers`: the newest verified memory checkpoint (own node's copy, else a peer's),
-        else the newest in `path` (recovery.py); `last_recovery` says which and why."""
+        else the newest in `path` (recovery.py); `last_recovery` says which and why.
+        load_module_only: weights and buffers only (a warm start): counters, loss scale, optimizer
+        and Stateful objects stay as they are."""
         self.wait()
         objects = {**self.stateful, **name_stateful((), stateful or {})}
 
         def load(where: str, options: dict | None) -> Any:
             return load_checkpoint(self.engine, self.group, where, strict=strict,
                                    load_optimizer_states=load_optimizer_states, stateful=objects,
-                                   storage_options=options)
+                                   storage_options=options, load_module_only=load_module_only)
         durable = None if path is None else os.fspath(path)  # any os.PathLike
         if self.tiers is None:
             if durable is None:

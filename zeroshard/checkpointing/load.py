@@ -59,11 +59,14 @@ UNRESTORED = "is not restored: nothing was given to load it into"
 
 def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool = True,
                     load_optimizer_states: bool = True, stateful: Mapping[str, Any] | None = None,
-                    storage_options: dict | None = None) -> Any:
+                    storage_options: dict | None = None, load_module_only: bool = False) -> Any:
     """Load a zeroshard checkpoint into `engine` and the `stateful` objects (by key); returns
     the saved client_state. Collective on `group`. An engine without an optimizer (inference)
-    takes the weights, buffers and counters only."""
-    load_optimizer_states = load_optimizer_states and engine.optimizer is not None
+    takes the weights, buffers and counters only. load_module_only: the weights and buffers only
+    (a warm start, DeepSpeed's flag): the step counters, loss scale and `stateful` objects stay."""
+    load_optimizer_states = load_optimizer_states and engine.optimizer is not None and not load_module_only
+    if load_module_only:
+        stateful = {}
     target = engine.checkpoint_state()
     loaded: EngineState | None = None
     rank_states: dict[str, Any] = {}
@@ -76,6 +79,8 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
         where = location.url
         names = match_names(target, manifest.tensors, where, strict, warn=target.rank == 0)
         fields = training_fields(target, manifest, location.url_of(MANIFEST_NAME), load_optimizer_states)
+        if load_module_only:
+            fields = dataclasses.replace(fields, counters=None, loss_scaler=None)
         if load_optimizer_states:  # a strict=False load too: the first step would fail all the same
             check_saved_keys(engine.optimizer, target.device, saved_keys(manifest.tensors.values()),
                              (manifest.optimizer or {}).get("class", ""), where, warn=target.rank == 0)
@@ -90,7 +95,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
             open_needed_files(reader, manifest, target, names)
             reading = True
             loaded = read_engine_state(fields, manifest, reader, names, load_optimizer_states=load_optimizer_states)
-            if same_world:
+            if same_world and stateful:
                 rank_states = read_rank_states(manifest, reader, target.rank, legacy_rng)
     except Exception as exc:  # whatever it is, every rank hears of it (nobody hangs in a collective)
         error = _load_error(exc, where, overwritten=reading)
@@ -100,7 +105,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     try:  # a failure on one rank is agreed on too: its peers must not wait in a later collective
         engine.restore(loaded, strict=False, adopt=True)
         skipped = [k for k, o in (stateful or {}).items() if scope_of(o) == "rank" and k != "rng"]
-        if skipped and manifest.world_size != target.world_size and target.rank == 0:
+        if skipped and not load_module_only and manifest.world_size != target.world_size and target.rank == 0:
             # RNG streams are expected to restart at another world size; a data position is not
             warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
                           f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",

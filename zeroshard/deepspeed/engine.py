@@ -374,7 +374,8 @@ class DeepSpeedEngine(nn.Module):
                 if not load_lr_scheduler_states:  # skipped on purpose: no warning that it was not restored
                     warnings.filterwarnings("ignore", message=f".*{UNRESTORED}")
                 client = self.engine.load_checkpoint(path, strict=load_module_strict,
-                                                     load_optimizer_states=with_optimizer, lr_scheduler=scheduler)
+                                                     load_optimizer_states=with_optimizer, lr_scheduler=scheduler,
+                                                     load_module_only=load_module_only)
         except CheckpointError as exc:
             if _is_deepspeed_folder(path):
                 raise CheckpointError(path, "this is a DeepSpeed checkpoint: convert it once with "
