@@ -196,9 +196,7 @@ def fill_from_model(imp: Imported, folder: str, model_path: str, model: dict, gr
     accumulation = int_field(model_path, ds_config.get("gradient_accumulation_steps"),
                              "ds_config.gradient_accumulation_steps", 1)
     imp.micro_steps = imp.global_steps * accumulation
-    if not ds_config:
-        pass  # no config: _dtype_from_module set it, or F32
-    elif (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
+    if (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("bfloat16") or {}).get("enabled"):
         imp.compute_dtype = "BF16"
     elif (ds_config.get("fp16") or {}).get("enabled"):
         imp.compute_dtype = "F16"
