@@ -96,7 +96,7 @@ def load_model_states(model_path: str, folder: str) -> tuple[dict, list[dict[str
 
 def writer_config(model_path: str, saved: Any) -> dict | None:
     """The config DeepSpeed trained with, as its engine saved it: a dict, or (releases before it
-    loaded the config itself, 0.14-0.16 at least) whatever `initialize` was given: the path of a
+    loaded the config itself: 0.18.0 did not, 0.18.9 did) whatever `initialize` was given: the path of a
     JSON file (`--deepspeed_config ds_config.json`, DeepSpeed's launcher recipe), which the
     checkpoint does not hold (None), or a base64-encoded JSON config, which it does."""
     if saved is None or isinstance(saved, dict):
