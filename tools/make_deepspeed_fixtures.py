@@ -110,7 +110,7 @@ VARIANTS = {
     "hf_trainer_ddp": {"stage": 0, "trainer": True, "ddp": True},
     # DeepSpeed's own launcher recipe: `--deepspeed_config ds_config.json` parsed into args. Up to
     # 0.18.0 at least, the engine keeps that path and saves it as the checkpoint's ds_config (0.18.9
-    # and later load the file first and saves the dict)
+    # and later load the file first and save the dict)
     "config_file": {"stage": 2, "config_file": True},
 }
 LORA = {"target_modules": ["fc"], "r": 2, "lora_alpha": 4, "init_lora_weights": False}  # random B: the adapters act
