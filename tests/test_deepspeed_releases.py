@@ -64,7 +64,7 @@ def test_an_older_deepspeeds_checkpoint_imports_exactly_and_resumes_with_its_los
 
 
 def test_a_saved_config_is_a_dict_a_base64_config_or_a_files_path():
-    """What DeepSpeed's engine saved as ds_config: up to 0.16 whatever initialize was given."""
+    """What DeepSpeed's engine saved as ds_config: up to 0.18.0 at least, whatever initialize was given."""
     import base64
 
     import torch

@@ -105,7 +105,7 @@ def load_checkpoint(engine: "ZeroEngine", group: Any, path: str, *, strict: bool
     try:  # a failure on one rank is agreed on too: its peers must not wait in a later collective
         engine.restore(loaded, strict=False, adopt=True)
         skipped = [k for k, o in (stateful or {}).items() if scope_of(o) == "rank" and k != "rng"]
-        if skipped and not load_module_only and manifest.world_size != target.world_size and target.rank == 0:
+        if skipped and manifest.world_size != target.world_size and target.rank == 0:
             # RNG streams are expected to restart at another world size; a data position is not
             warnings.warn(f"{location.url}: saved at world size {manifest.world_size}, loaded at "
                           f"{target.world_size}: per-rank state of {', '.join(map(repr, skipped))} not restored",
