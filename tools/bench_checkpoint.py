@@ -27,11 +27,14 @@ repeats that are dropped), interleaved through tools/benchlib.py's rotation, eve
                          save there (torch 2.11, KeyError in deepcopy_with_tensor_offload)
   training loop          --loop-steps steps of each model with no save, and the same loop with an
                          async save issued after the first quarter (zeroshard; DCP thread-async):
-                         what the background write costs the steps that run beside it
+                         what the background write costs the steps that run beside it: the
+                         whole loop's ratio (diluted by the steps after the write), and the ratio
+                         of only the steps that started while the write was in flight
   slow storage           with --slow-fsync S: an async save while every os.fsync in the ranks first
                          sleeps S seconds (injected here, never in the product); blocked must not grow
   cold reads             with --cold (default on when the page cache can be dropped, i.e. root),
-                         raw read, zeroshard load and DCP load again right after dropping it
+                         raw read, zeroshard load and DCP load again right after dropping it;
+                         when a drop fails (sync or the write), no cold row is recorded
 
 Every timing is the slowest rank's seconds (barrier-aligned start). Loads are checked: state is
 perturbed before, compared (checksums of master fragments and Adam moments) after. Figures are
@@ -203,11 +206,21 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
             fsync_dir(path.parent)
         dist.barrier()
 
-    def drop_cache() -> None:
+    def drop_cache() -> bool:
+        """Whether the page cache was dropped (rank 0 drops it, every rank learns the outcome):
+        a cold row is recorded only after a drop that happened."""
         dist.barrier()
-        if rank == 0:
-            benchlib.drop_caches()
-        dist.barrier()
+        ok = torch.tensor([int(benchlib.drop_caches()) if rank == 0 else 1], dtype=torch.int64, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    cold_failed: list[str] = []
+
+    def cold_ok(op: str) -> bool:
+        if drop_cache():
+            return True
+        cold_failed.append(op)
+        return False
 
     # ---- zeroshard engine ------------------------------------------------------------------
     torch.manual_seed(1234)
@@ -404,36 +417,53 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         fut.result()
         record("dcp_async_process_blocked", blocked)
 
-    def loop(step, save, old: Path | None = None) -> float:
+    step_times: dict[str, list[list[float]]] = {}  # per loop side, per repeat: each step's seconds
+    overlapped: dict[str, list[list[int]]] = {}  # per save loop, per repeat: the steps beside the write
+
+    def loop(name: str, step, save, old: Path | None = None) -> float:
         """--loop-steps steps; `save` (if any) issued after the first quarter; the write may still
-        run in the background when the loop ends (then every later step overlapped it)."""
+        run in the background when the loop ends (then every later step overlapped it). Each
+        step's own seconds are kept, and which steps started while the write was in flight on
+        any rank, so the steps beside the write can be reported on their own."""
         if old is not None:
             rm(old)
         dist.barrier()
         t0 = time.perf_counter()
         pending = None
+        times, flying = [], []
         for i in range(args.loop_steps):
             if save is not None and i == args.loop_steps // 4:
                 pending = save()
+            s0 = time.perf_counter()
+            flying.append(int(pending is not None and not pending[1]()))
             step()
-        sync()
+            sync()  # a step's time ends when its kernels do
+            times.append(time.perf_counter() - s0)
         seconds = slowest(time.perf_counter() - t0)
         if pending is not None:
-            pending()
+            pending[0]()
+        # one collective after the loop, not one per step: the slowest rank's step, any rank's write
+        t = torch.tensor(times + flying, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        step_times.setdefault(name, []).append(t[:len(times)].tolist())
+        if save is not None:
+            overlapped.setdefault(name, []).append([i for i, f in enumerate(t[len(times):].tolist()) if f])
         return seconds
 
     def zs_loop_save():
+        """(wait, done): done says whether this rank's background write has finished."""
         engine.save_checkpoint(str(zs_root), tag="loop", async_save=True)
-        return engine.wait
+        ckpt = engine.checkpointer
+        return engine.wait, lambda: ckpt._thread is None or not ckpt._thread.is_alive()  # a bench may peek
 
     def dcp_loop_save():
         fut = dcp.async_save(dcp_state(), checkpoint_id=str(scratch / "dcp-loop"), storage_writer=async_writer,
                              async_stager=per_save(new_thread_stager, thread_stager), process_group=ckpt_group)
-        return fut.result
+        return fut.result, fut.done
 
     def raw_load(rep: int, cold: bool = False) -> None:
-        if cold:
-            drop_cache()
+        if cold and not cold_ok("raw_read"):
+            return
         dt, got = timed(lambda: raw_read(mine, raw))
         assert got == raw.numel(), (got, raw.numel())
         record("raw_read_cold" if cold else "raw_read", dt, total(got))
@@ -443,8 +473,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         with torch.no_grad():
             for t in zs_tensors():
                 t.add_(1.0)  # so that a load that does nothing cannot pass the check
-        if cold:
-            drop_cache()
+        if cold and not cold_ok("zs_load"):
+            return
         dt, _ = timed(lambda: engine.load_checkpoint(str(zs_root / "sync")))
         got = zs_checksum()
         if abs(got - want) > 1e-6 * max(1.0, abs(want)):
@@ -456,8 +486,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         with torch.no_grad():
             for t in dcp_tensors():
                 t.add_(1.0)
-        if cold:
-            drop_cache()
+        if cold and not cold_ok("dcp_load"):
+            return
         dt, _ = timed(lambda: dcp_load(scratch / "dcp"))
         got = dcp_checksum()
         if abs(got - want) > 1e-6 * max(1.0, abs(want)):
@@ -471,12 +501,12 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
         ([zs_async_slow_fsync] if args.slow_fsync > 0 else [])
     loops = []
     if args.loop_steps:
-        loops = [lambda rep: record("loop_zs_plain", loop(zs_step, None)),
-                 lambda rep: record("loop_zs_async", loop(zs_step, zs_loop_save, zs_root / "loop"))]
+        loops = [lambda rep: record("loop_zs_plain", loop("loop_zs_plain", zs_step, None)),
+                 lambda rep: record("loop_zs_async", loop("loop_zs_async", zs_step, zs_loop_save, zs_root / "loop"))]
         if has_dcp:
-            loops += [lambda rep: record("loop_fsdp_plain", loop(fsdp_step, None)),
+            loops += [lambda rep: record("loop_fsdp_plain", loop("loop_fsdp_plain", fsdp_step, None)),
                       lambda rep: record("loop_fsdp_dcp_async",
-                                         loop(fsdp_step, dcp_loop_save, scratch / "dcp-loop"))]
+                                         loop("loop_fsdp_dcp_async", fsdp_step, dcp_loop_save, scratch / "dcp-loop"))]
     reads = [raw_load, zs_load] + ([dcp_load_op] if has_dcp else [])
     cold = args.can_drop
     for rep in range(args.warmup + args.repeats):
@@ -497,7 +527,8 @@ def worker(args: argparse.Namespace) -> None:  # noqa: C901  (one rank's whole r
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "n_params": n_params, "world_size": world, "stage": args.stage, "runs": runs, "bytes": nbytes,
-            "dcp_tuning": tuning, "profile": profile,
+            "dcp_tuning": tuning, "profile": profile, "step_times": step_times, "overlapped": overlapped,
+            "cold_failed": cold_failed,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu"}))
     dist.barrier()
     dist.destroy_process_group()
@@ -582,9 +613,30 @@ LABELS = {
 }
 
 
+def overlap_runs(res: dict, save: str, plain: str, warmup: int) -> tuple[list[float], list[float], list[int]]:
+    """Per measured repeat with a step beside the write: the seconds of those steps in the save
+    loop, and of the same steps (by index) in the same repeat's loop without a save; and how many
+    steps overlapped in every measured repeat. A loop's total dilutes the write's cost over the
+    steps that ran after it finished; these are the steps it can slow down."""
+    steps, flying = res.get("step_times", {}), res.get("overlapped", {})
+    if save not in flying or plain not in steps:
+        return [], [], []
+    with_save, without, counts = [], [], []
+    for idx, s_times, p_times in list(zip(flying[save], steps[save], steps[plain]))[warmup:]:
+        counts.append(len(idx))
+        if idx:
+            with_save.append(sum(s_times[i] for i in idx))
+            without.append(sum(p_times[i] for i in idx))
+    return with_save, without, counts
+
+
 def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Report:
     w = args.warmup
     runs = {k: v[w:] for k, v in res["runs"].items()}
+    failed = res.get("cold_failed") or []
+    if failed:  # a row after a drop that did not happen would be a warm read labelled cold
+        runs = {k: v for k, v in runs.items() if not k.endswith("_cold")}
+        cache = "warm (cold rows not measured: the page-cache drop failed)"
     where = (f"CUDA ({res.get('device')}), NCCL" if args.device == "cuda" else "CPU, gloo")
     state = "state in GPU memory, local disk" if args.device == "cuda" else \
         "state in host memory, write-cached virtual disk"
@@ -613,7 +665,22 @@ def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Re
                      percent=True)
     if "loop_zs_plain" in runs:
         rep.ratio("loop_slowdown", "loop_zs_async", "loop_zs_plain",
-                  f"zeroshard: {args.loop_steps} steps with an async save / without", "<= 1.05")
+                  f"zeroshard: {args.loop_steps} steps with an async save / without (diluted: the steps after "
+                  f"the write count too)")
+    for save, plain, who in (("loop_zs_async", "loop_zs_plain", "zeroshard"),
+                             ("loop_fsdp_dcp_async", "loop_fsdp_plain", "FSDP2 + DCP")):
+        with_save, without, counts = overlap_runs(res, save, plain, w)
+        if counts:
+            rep.data.setdefault("overlap_steps", {})[save] = counts
+        if len(with_save) >= 2:
+            rep.runs(f"{save}_overlap", with_save, f"{who}: the steps beside the write, with the save")
+            rep.runs(f"{plain}_overlap", without, f"{who}: the same steps, without a save")
+            rep.ratio(f"{save}_overlap_slowdown", f"{save}_overlap", f"{plain}_overlap",
+                      f"{who}: steps beside the write / the same steps without a save",
+                      "<= 1.05" if who == "zeroshard" else None)
+        elif counts:
+            rep.note(f"{who}: the steps beside the write were not measured: only {len(with_save)} of "
+                     f"{len(counts)} repeats had a step start while the write was in flight.")
     if "dcp_save" in runs:
         rep.ratio("save_vs_dcp", "zs_save", "dcp_save", "DCP save time / zeroshard save time", ">= 1.5", invert=True)
         rep.ratio("load_vs_dcp", "zs_load", "dcp_load", "DCP load time / zeroshard load time", ">= 1.5", invert=True)
@@ -641,6 +708,9 @@ def build_report(res: dict, args: argparse.Namespace, cache: str) -> benchlib.Re
                     "save (pinned buffers allocated each time): torch's DefaultStager fails its second save "
                     "there (KeyError: <class 'type'> in deepcopy_with_tensor_offload)." if args.device == "cuda"
                     else "; pinned memory off: CPU) reused for every save."))
+    if failed:
+        rep.note(f"Cold rows not measured: the page-cache drop failed {len(failed)} times "
+                 f"(before {', '.join(sorted(set(failed)))}).")
     rep.data["bytes"] = b
     rep.data["n_params"] = res["n_params"]
     if res.get("profile"):

@@ -90,11 +90,12 @@ def in_process(command: list[str]) -> float:
     return float(proc.stderr.rsplit("in-process", 1)[1])
 
 
-def start_up(command: str, repeat: int) -> float:
-    """Best wall time of interpreter start-up plus the command's imports, doing nothing else."""
+def start_up(command: str, repeat: int) -> list[float]:
+    """Every run's wall time of interpreter start-up plus the command's imports, doing nothing
+    else (the report quotes their median and IQR, never the fastest)."""
     code = (f"import importlib, zeroshard.cli\nfor m in {MODULES[command].split()!r}:\n"
             f"    try: importlib.import_module(m)\n    except ModuleNotFoundError: pass")
-    return min(timed([sys.executable, "-c", code])[0] for _ in range(repeat))
+    return [timed([sys.executable, "-c", code])[0] for _ in range(repeat)]
 
 
 def build(path: Path, tensors: int, numel: int, world: int) -> float:
@@ -310,7 +311,8 @@ def main() -> None:
             if args.in_process:
                 clean()
                 rep.value(f"{key}_in_process_s", in_process(ours(j)), "s", f"{name} -j {j}: after start-up")
-        rep.value(f"{command}_start_up_s", start_up(command, 3), "s", f"{command}: interpreter + imports alone")
+        rep.runs(f"{command}_start_up", start_up(command, max(args.repeat, 5)),
+                 f"{command}: interpreter + imports alone")
     clean()
     shutil.rmtree(ckpt)
 

@@ -175,12 +175,15 @@ def worker(args: argparse.Namespace) -> None:
 
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
 
+    tuning = ""  # the settings this run gave the method, as it ran them (the report's notes quote it)
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         bucket = args.ddp_bucket_mb or max(0.05, n_params * 4 / 2**20 / 4)
         net = DDP(model, gradient_as_bucket_view=True, device_ids=[device.index] if cuda else None,
                   bucket_cap_mb=bucket)
+        tuning = f"bucket_cap_mb={bucket:.1f}" + (" (--ddp-bucket-mb)" if args.ddp_bucket_mb else
+                                                  " (a quarter of the model's fp32 bytes)")
         opt = adamw(net.parameters())
 
         def forward(x):
@@ -215,6 +218,7 @@ def worker(args: argparse.Namespace) -> None:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
             block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i] if i else [])
+        tuning = "explicit forward/backward prefetch of the next/previous Block"
         opt = adamw(model.parameters())  # after sharding: the optimizer sees the DTensor shards
 
         def forward(x):
@@ -282,6 +286,7 @@ def worker(args: argparse.Namespace) -> None:
         }
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
                                                config=ds_cfg)
+        tuning = ", ".join(f"{k}={v}" for k, v in ds_cfg["zero_optimization"].items() if k != "stage")
 
         def forward(x):
             return engine(x)
@@ -340,6 +345,7 @@ def worker(args: argparse.Namespace) -> None:
             "losses": losses, "final_loss": losses[-1], "peak_memory": peaks,
             "torch": torch.__version__, "device": str(device if not cuda else torch.cuda.get_device_name(device)),
             "cuda_max_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "tuning": tuning,
         }))
     dist.barrier()
     dist.destroy_process_group()
@@ -465,7 +471,9 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
         rep.runs(m, [ms / 1000 for ms in r["step_ms_rounds"]], f"{LABELS[m]}: step")
     assessed = n_params >= 50e6  # the targets are written for step times set by compute, not Python
     pairs = [(f"zs{k}", "ddp", "<= 1.05" if k in (1, 2) and assessed else None) for k in (0, 1, 2)]
-    pairs += [("zs3", "fsdp2", "<= 1.0" if assessed else None), ("fsdp2", "ddp", None)]
+    # on gloo FSDP2 pays gloo's all-gather/reduce-scatter, which the engine avoids: a transport
+    # artifact, so stage 3 / FSDP2 meets or misses a target only on a GPU (NCCL)
+    pairs += [("zs3", "fsdp2", "<= 1.0" if assessed and args.device == "cuda" else None), ("fsdp2", "ddp", None)]
     pairs += [(f"ds{k}", "ddp", None) for k in (1, 2, 3)] + [("zs3", "ds3", None)]
     for a, b, target in pairs:
         if a in ok and b in ok and len(ok[a]["step_ms_rounds"]) == len(ok[b]["step_ms_rounds"]):
@@ -474,13 +482,24 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
         rep.value(f"{m}_state_MiB", r["peak_memory"][0]["total"] / 2**20, "MiB", f"{LABELS[m]}: model state, rank 0")
     for m, r in by_error(results).items():
         rep.note(f"{LABELS[m]}: {r}")
-    rep.note("Tuning: DDP bucket_cap_mb = a quarter of the model (--ddp-bucket-mb), FSDP2 explicit forward/backward "
-             "prefetch of the next/previous Block, DeepSpeed overlap_comm + contiguous_gradients.")
+    note = tuning_note(ok)
+    if note:
+        rep.note(note)
+    if "zs3_vs_fsdp2" in rep.data["ratios"] and args.device != "cuda":
+        rep.note("Stage 3 / FSDP2 on gloo is a transport figure, not a win: FSDP2 runs gloo's all-gather and "
+                 "reduce-scatter, which the engine avoids on gloo; no target is assessed on it.")
     if n_params < 50e6:
         rep.note(f"{n_params / 1e6:.2f}M params is below the 50M the step-time targets are written for: Python "
                  f"overhead, not compute and communication, dominates these step times, so no target is "
                  f"assessed.")
     return rep
+
+
+def tuning_note(ok: dict[str, dict]) -> str:
+    """The competitors' settings, from the methods that ran and what each recorded: nothing is
+    said of a method that did not run."""
+    parts = [f"{LABELS[m]} {r['tuning']}" for m, r in ok.items() if not m.startswith("zs") and r.get("tuning")]
+    return "Tuning, as run: " + "; ".join(parts) + "." if parts else ""
 
 
 def by_error(results: list[dict]) -> dict[str, str]:

@@ -8,8 +8,9 @@ inter-quartile range (IQR), never a best-of or a ratio of two independently chos
 
 Every result file (tools/results/<bench>.json unless a path is given) holds the raw seconds of
 every run, the paired ratios, and what a reader needs to judge them: the machine (cores,
-memory), torch's version, the load average before and after, and the cache state (warm/cold).
-`figures` lists the strings a document may quote (see tests/test_docs_figures.py).
+memory), torch's version, the load average before and after, the cache state (warm/cold), when
+the run started and the commit it ran on. `figures` lists the medians and quartiles as printed;
+a document binds each figure it quotes to one key (see tests/test_docs_figures.py).
 
 The module imports nothing heavy (no torch): benches that measure a child's peak RSS fork from
 the process that imports this.
@@ -33,6 +34,9 @@ from zeroshard.errors import InvalidArgumentError  # noqa: E402  (a plain module
 
 RESULTS = ROOT / "tools" / "results"
 SCHEMA = 1
+# When this process began its bench: every bench imports this module first, and most make their
+# Report only after the runs, so a Report's own clock would record the end as the start.
+STARTED = time.gmtime()
 
 
 # ----------------------------------------------------------------------------- statistics (pure)
@@ -190,14 +194,34 @@ def machine() -> dict:
 
 
 def drop_caches() -> bool:
-    """Drop the page cache (needs root); True when it was dropped, so reads that follow are cold."""
-    subprocess.run(["sync"], check=False)
+    """Drop the page cache (needs root); True only when both the sync and the drop succeeded, so
+    reads that follow are cold. A caller must not record a cold row when this returns False."""
+    try:
+        synced = subprocess.run(["sync"], check=False).returncode == 0
+    except OSError:
+        return False
+    if not synced:  # dirty pages that were not written back stay cached: the reads would be warm
+        return False
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+            f.write("3\n")  # the write happens at close, inside this try
         return True
     except OSError:
         return False
+
+
+def commit() -> dict:
+    """The commit this run ran on, and whether the working tree differed from it (dirty)."""
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": None if status is None else bool(status), "how": "recorded"}
 
 
 # ----------------------------------------------------------------------------- the report
@@ -205,9 +229,12 @@ def drop_caches() -> bool:
 class Report:
     """Collects one bench's runs, paired ratios and single values; writes the JSON; prints tables."""
 
-    def __init__(self, bench: str, args: dict, scope: str, cache: str = "warm") -> None:
+    def __init__(self, bench: str, args: dict, scope: str, cache: str = "warm",
+                 started: time.struct_time | None = None) -> None:
+        """started: when the runs began (default: when this process imported benchlib)."""
         self.data: dict = {"schema": SCHEMA, "bench": bench, "args": args, "scope": scope, "cache": cache,
-                           "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "machine": machine(), "commit": commit(),
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", started or STARTED),
                            "load_before": loadavg(), "runs": {}, "ratios": {}, "values": {}, "notes": []}
 
     def runs(self, name: str, seconds: Sequence[float], label: str = "") -> dict:
