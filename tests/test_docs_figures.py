@@ -43,13 +43,11 @@ BYTES = {"kB": 1e3, "MB": 1e6, "GB": 1e9, "MiB": 2**20, "GiB": 2**30}
 # docs/BENCHMARKS.md sections whose prose is not bound yet (their tables are): issue 53's
 # remaining work. A section leaves this list when its figures carry markers.
 UNBOUND_SECTIONS = (
-    "## Engine checkpoints (tools/bench_checkpoint.py)",
-    "### At GPT-2 small's size (124M parameters)",
-    "## Consolidate against DeepSpeed and DCP (tools/bench_consolidate.py)",
-    "## Reshard against DeepSpeed and DCP (tools/bench_reshard.py)",
-    "## Toolkit (tools/bench_toolkit.py)",
-    "### At 328M parameters (3.94 GB), the size issue 20 sets its targets at",
-    "## Early writeback (tools/bench_writeback.py)",
+    "### Where a save's time goes (a profile run, not kept as JSON)",
+    "#### Where the 124M load's time goes (a profile, not bound to the JSON's keys)",
+    "### Consolidate at 29M parameters (an earlier run, its JSON not kept)",
+    "#### Toolkit: A/B runs and the run before (not bound to a JSON key)",
+    "#### Toolkit at 328M: the A/B with the code before early writeback (not bound to a JSON key)",
     "### The per-file floor (bench_scale.py --floor)",
     "## S3 (tools/bench_s3.py)",
     "### With an S3-like network (paced server)",
