@@ -526,16 +526,21 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
               help="Ranks to write for (default: the source's, one per .distcp file).")
 @click.option("--buffers", default=None, metavar="REGEX",
               help="Model tensors whose full name matches are buffers, not parameters (model-only sources).")
+@click.option("--param-names", "param_names", type=click.File("r", encoding="utf-8"), default=None, metavar="FILE",
+              help="An Accelerate save_state's optimizer.bin parameters in index order, one name a line.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, overwrite: bool,
+def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, param_names: Any, overwrite: bool,
                storage_options: dict, quiet: bool) -> None:
     """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
     {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
     Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/, or with
     FULL_STATE_DICT pytorch_model_fsdp.bin + optimizer.bin), or a Hugging Face Trainer
     checkpoint-N/ written without DeepSpeed or FSDP (model.safetensors + optimizer.pt; needs the
-    transformers release that saved it, to learn the order of optimizer.pt's parameters).
+    transformers release that saved it, to learn the order of optimizer.pt's parameters), or an
+    Accelerate save_state without FSDP or DeepSpeed (model.safetensors + optimizer.bin; the
+    order of optimizer.bin's parameters from its param groups' names when the optimizer was
+    built from named_parameters(), else from --param-names).
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight
     from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
@@ -546,7 +551,8 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
 
     check_world_size(world_size)  # before anything is read or touched
     release_large_blocks()  # this process only imports: freed windows go back to the system
-    imported = read_dcp(src, buffers, storage_options)  # SRC may be s3:// (the same storage options as OUT)
+    names = None if param_names is None else [n.strip() for n in param_names.read().splitlines() if n.strip()]
+    imported = read_dcp(src, buffers, storage_options, names)  # SRC may be s3:// (the same storage options as OUT)
     _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
-from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
+from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -95,6 +95,8 @@ def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, s
             continue  # not a readable folder: no hint from it
     if is_trainer_checkpoint(names):
         return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)", "dcp", location.url
+    if is_accelerate_plain(names):
+        return "an Accelerate save_state (no FSDP or DeepSpeed)", "dcp", location.url
     runs = trainer_checkpoints(names)
     if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are
         inner = foreign_checkpoint_kind(location.child(runs[-1]), _depth + 1)

@@ -83,6 +83,12 @@ def is_trainer_checkpoint(names: list[str]) -> bool:
     return "optimizer.pt" in names and (HF_SINGLE_NAME in names or HF_INDEX_NAME in names)
 
 
+def is_accelerate_plain(names: list[str]) -> bool:
+    """Whether a folder holding `names` is Accelerate's save_state without FSDP or DeepSpeed: the
+    model's weights beside torch's optimizer state dict (interop/accelerate_plain.py)."""
+    return HF_SINGLE_NAME in names and "optimizer.bin" in names
+
+
 def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Location, list[SourceTensor]]:
     """The folder holding the model's files, and its tensors in file order."""
     target = Location(url, storage_options)

@@ -23,9 +23,11 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
-from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
+from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files
+from zeroshard.interop.accelerate_plain import OWN as ACCELERATE_PLAIN_OWN
+from zeroshard.interop.accelerate_plain import AcceleratePlainSource
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
@@ -86,9 +88,10 @@ def _has_metadata(folder: str) -> bool:
     return files.isfile(files.join(folder, ".metadata"))
 
 
-def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
+def _sources(folder: str, param_names: list[str] | None = None) -> tuple[list[Any], list[str], list[str]]:
     """The DCP folders of checkpoint `folder` (one, or Accelerate's model + optimizer pair), notes,
-    and the names of what else an Accelerate save_state folder holds (beside.py reads them)."""
+    and the names of what else an Accelerate save_state folder holds (beside.py reads them).
+    `param_names`: the optimizer's parameters in index order, for a plain Accelerate save_state."""
     if not files.isdir(folder):
         raise CheckpointError(folder, "no such DCP checkpoint folder")
     if _has_metadata(folder):
@@ -103,17 +106,16 @@ def _sources(folder: str) -> tuple[list[Any], list[str], list[str]]:
         return _full_state_sources(folder, names)
     if is_trainer_checkpoint(names):  # Hugging Face's Trainer without DeepSpeed or FSDP
         return [TrainerSource(folder, names)], [], [n for n in names if n not in OWN and not n.endswith(".safetensors")]
+    if is_accelerate_plain(names):  # Accelerate's save_state without FSDP or DeepSpeed
+        source = AcceleratePlainSource(folder, names, param_names)
+        return [source], [f"optimizer.bin's parameter indices named by {source.named_by}"], \
+            [n for n in names if n not in ACCELERATE_PLAIN_OWN]
     if not _has_metadata(files.join(folder, ACCELERATE_MODEL)):
         per_rank = next((n for n in names if _PER_RANK_PICKLE.fullmatch(n)), None)
         why = (f"; {per_rank} is a per-rank torch.save of DTensor shards (Accelerate's SHARDED_STATE_DICT with "
                "use_dcp=False), which is not read: save with DCP (the default) or FULL_STATE_DICT" if per_rank else "")
         runs = trainer_checkpoints(names)
-        if "optimizer.bin" in names and any(re.fullmatch(r"model(?:_\d+)?\.safetensors", n) for n in names):
-            why = ("; it is an Accelerate save_state without FSDP or DeepSpeed: optimizer.bin keys its state by "
-                   "parameter index, in the order your script built its param groups, which no file records, so it "
-                   f"is not read; `zeroshard shard {files.join(folder, 'model.safetensors')} OUT --world N` takes the "
-                   "weights alone, with a fresh optimizer")
-        elif runs and not why:
+        if runs and not why:
             why = f"; a Trainer's output folder? Name one of its checkpoints ({', '.join(runs[:4])})"
         raise CheckpointError(folder, f"not a DCP checkpoint: no .metadata file (nor Accelerate's "
                                       f"{ACCELERATE_MODEL}/.metadata or {ACCELERATE_FULL_MODEL}){why}")
@@ -219,22 +221,27 @@ def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat
             for g in (nested[i] for i in sorted(nested))]
 
 
-def read_dcp(src: str, buffers: str | None = None, storage_options: dict | None = None) -> Imported:
+def read_dcp(src: str, buffers: str | None = None, storage_options: dict | None = None,
+             param_names: list[str] | None = None) -> Imported:
     """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder), a local path or
     a URL (s3://; `storage_options` for its filesystem). `buffers`: a regex; model tensors whose
-    name matches it in full are buffers, not parameters. Tensors read later (LazyTensors) use
-    the same storage options."""
+    name matches it in full are buffers, not parameters. `param_names`: the parameters of a plain
+    Accelerate save_state's optimizer.bin in index order (accelerate_plain.py). Tensors read
+    later (LazyTensors) use the same storage options."""
     src = os.fspath(src)  # any os.PathLike
     with files.storage_options(storage_options):
-        return _read_dcp(src, buffers)
+        return _read_dcp(src, buffers, param_names)
 
 
-def _read_dcp(src: str, buffers: str | None) -> Imported:
+def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = None) -> Imported:
     import torch
 
     folder = src.rstrip("/") or "/"
     pattern = _buffer_pattern(buffers)
-    sources, notes, beside = _sources(folder)
+    sources, notes, beside = _sources(folder, param_names)
+    if param_names is not None and sources[0].kind != AcceleratePlainSource.kind:
+        raise ZeroshardError(f"--param-names applies only to an Accelerate save_state without FSDP or DeepSpeed "
+                             f"(model.safetensors + optimizer.bin), and {folder} is not one")
     owner: dict[str, _Source | FlatSource] = {}
     paths: dict[str, tuple] = {}
     for source in sources:
@@ -320,7 +327,8 @@ def _read_dcp(src: str, buffers: str | None) -> Imported:
     trained = imp.client_state.get("train_state", {}).get("step") if isinstance(imp.client_state, dict) else None
     imp.global_steps = imp.micro_steps = int(steps[0]) if steps else int(trained) if isinstance(trained, int) else 0
 
-    label = {"accelerate": "Accelerate full state dict", "trainer": "Hugging Face Trainer (no DeepSpeed or FSDP)"}
+    label = {"accelerate": "Accelerate full state dict", "trainer": "Hugging Face Trainer (no DeepSpeed or FSDP)",
+             "accelerate_plain": "Accelerate save_state (no FSDP or DeepSpeed)"}
     notes.insert(0, f"{label.get(kind, 'DCP')} layout: {layout.name}")
     if not layout.optimizer_prefix:
         notes.append(f"no optimizer state in the source: {len(imp.params)} floating tensor(s) imported as "

@@ -64,16 +64,20 @@ class TrainerSource(FlatSource):
         if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
                 or not isinstance(saved.get("param_groups"), list) or nesting_depth(saved) > MAX_NESTING:
             raise CheckpointError(optimizer_path, "not torch's optimizer state_dict (state, param_groups)")
-        by_index = _match(optimizer_path, saved, order, weights, folder)
+        self._fill(optimizer_path, saved, weights, match_indices(optimizer_path, saved, order, weights, folder))
+
+    def _fill(self, optimizer_path: str, saved: dict, weights: dict[str, LazyTensor], by_index: dict[int, str]) -> None:
+        """The weights, and the optimizer's state and groups by parameter name (`by_index`)."""
         for name, value in weights.items():
-            self._put(folder, ("model", name), value)
+            self._put(self.folder, ("model", name), value)
         for index, per_param in saved["state"].items():
             for key, value in per_param.items():
                 self._put(optimizer_path, ("optimizer", "state", by_index[index], key), value)
         for g, group in enumerate(saved["param_groups"]):
             for key, value in group.items():
-                self._put(optimizer_path, ("optimizer", "param_groups", g, key),
-                          [by_index[i] for i in value] if key == "params" else value)
+                if key != "param_names":  # torch's own names of `params` (a named optimizer): `params` has them
+                    self._put(optimizer_path, ("optimizer", "param_groups", g, key),
+                              [by_index[i] for i in value] if key == "params" else value)
 
     def _weights(self) -> dict[str, LazyTensor]:
         from zeroshard.storage.safetensors_header import torch_dtype
@@ -135,9 +139,11 @@ def _minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+")[0].split(".")[:2])
 
 
-def _match(path: str, saved: dict, order: tuple[list[str], list[str]], weights: dict[str, LazyTensor],
-           folder: str) -> dict[int, str]:
-    """Parameter index -> name, checked: the groups' sizes, every state's shape (see the notes)."""
+def match_indices(path: str, saved: dict, order: tuple[list[str], ...], weights: dict[str, LazyTensor],
+                  folder: str, other: str = "the Trainer's `optim` was another",
+                  wrong_order: str = "the order is not the model's") -> dict[int, str]:
+    """Parameter index -> name, checked: the groups' sizes, every state's shape (see the notes);
+    `other` and `wrong_order` say in a refusal why the optimizer or the order may be another's."""
     groups = saved["param_groups"]
     refuse = f"; {weights_only_hint(folder)}"
     sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else -1 for g in groups]
@@ -158,12 +164,12 @@ def _match(path: str, saved: dict, order: tuple[list[str], list[str]], weights: 
         unknown = sorted(map(str, set(per_param) - ADAM_STATE))
         if unknown:  # Adafactor's factored moments, an 8-bit optimizer's quantized ones, ...
             raise CheckpointError(path, f"state {', '.join(unknown)} of parameter index {index}: not torch's "
-                                        f"Adam/AdamW (the Trainer's `optim` was another){refuse}")
+                                        f"Adam/AdamW ({other}){refuse}")
         if name not in weights:
             raise CheckpointError(path, f"parameter {name!r} (index {index}) is not in the weights file")
         for key, value in per_param.items():
             if is_tensor(value) and value.dim() >= 1 and tuple(value.shape) != tuple(weights[name].shape):
                 raise CheckpointError(path, f"state {key!r} of index {index} has shape {list(value.shape)}, but the "
                                             f"model's parameter {index} is {name!r} of {list(weights[name].shape)}: "
-                                            f"the order is not the model's{refuse}")
+                                            f"{wrong_order}{refuse}")
     return by_index
