@@ -12,7 +12,6 @@ that their storage lies inside the files. Plain values (bytes entries) are read 
 
 from __future__ import annotations
 
-import io
 import math
 import posixpath
 from typing import Any
@@ -20,14 +19,13 @@ from typing import Any
 from zeroshard.errors import CheckpointError
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.imported import LazyTensor, flat_range, is_tensor, materialize
-from zeroshard.interop.torch_pickle import allowlist
+from zeroshard.interop.torch_pickle import allowlist, checked_load
 
 LAZY_BYTES = 1 << 20  # tensors this big (with a dimension) are read on demand; smaller ones at once
 
 
 def read_blob(folder: str, info: Any, what: str) -> Any:
     """The object torch.save'd at `info`'s byte range (a tensor chunk or a plain value)."""
-    import torch
 
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(files.join(folder, info.relative_path),
@@ -43,7 +41,7 @@ def read_blob(folder: str, info: Any, what: str) -> Any:
     allowed = allowlist()
     try:
         with allowed:
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            return checked_load(path, raw)  # sizes checked against the blob's bytes first
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(path, f"{what} (bytes {info.offset}+{info.length}): "

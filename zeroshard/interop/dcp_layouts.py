@@ -11,6 +11,10 @@ tools write:
    (`state.<fqn>.<k>` and `param_groups.<i>.<k>`, get_state_dict's default and Accelerate)
    or flattened, one path element `state.<fqn>.<k>` / `param_groups.<fqn>.<k>`
    (get_state_dict(..., flatten_optimizer_state_dict=True), torchtitan's OptimizersContainer);
+ - that flattened optimizer saved beside the model's keys with no prefix at all
+   (`dcp.save({**model_sd, **get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)})`):
+   `state.<fqn>.<k>` and `param_groups.<fqn>.<k>` where fqn is a model key; its moments are
+   optimizer state, never weights;
  - torchtitan's `lr_scheduler`, `dataloader`, `train_state`, and other non-tensor (or 0-d
    tensor) entries beside the model, which become client state.
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from zeroshard.errors import CheckpointError
 
 OPTIMIZER_HEADS = ("optim", "optimizer")
+TOP_LEVEL = "(top level)"  # Layout.optimizer_prefix of a flattened optimizer saved with no prefix
 EXTRA_HEADS = ("lr_scheduler", "dataloader", "train_state")
 _SHOWN = 6  # unrecognised keys named in the error before "+N more"
 
@@ -52,6 +57,8 @@ class Layout:
         model = f"'{self.model_prefix}.*'" if self.model_prefix else "top-level model keys"
         if not self.optimizer_prefix:
             return f"{model}, no optimizer"
+        if self.optimizer_prefix == TOP_LEVEL:
+            return f"{model}, flattened optimizer at the top level ('state.*', 'param_groups.*')"
         return f"{model}, {'flattened' if self.flattened else 'nested'} '{self.optimizer_prefix}.*'"
 
 
@@ -66,6 +73,33 @@ def _split_flat(rest: str, fqns: set[str]) -> tuple[str, str] | None:
     model's keys make the split unambiguous)."""
     head, dot, last = rest.rpartition(".")
     return (head, last) if dot and head in fqns else None
+
+
+def _top_level_optimizer(where: str, paths: dict[str, tuple], fqns: set[str]) -> dict[str, Slot]:
+    """The keys of a flattened optimizer saved with no prefix: one-element paths
+    `state.<fqn>.<k>` / `param_groups.<fqn>.<k>` where fqn is one of the model's `fqns` (the
+    longest that fits: FQNs hold dots). Refused in one line: such state with no param_groups
+    entries (a moment is never taken for a weight) and state nested deeper than one name."""
+    found: dict[str, Slot] = {}
+    for key, path in paths.items():
+        if len(path) != 1 or not isinstance(path[0], str):
+            continue
+        section, _, rest = path[0].partition(".")
+        if section not in ("state", "param_groups"):
+            continue
+        fqn = next((rest[:i] for i in range(len(rest) - 1, 0, -1) if rest[i] == "." and rest[:i] in fqns), None)
+        if fqn is None:
+            continue
+        name = rest[len(fqn) + 1:]
+        if "." in name:
+            raise CheckpointError(where, f"{key}: optimizer state nested below its parameter (Shampoo's?) is not "
+                                         "supported")
+        found[key] = Slot("state" if section == "state" else "group", fqn=fqn, key=name)
+    if found and not any(s.kind == "group" for s in found.values()):
+        shown = ", ".join(list(found)[:_SHOWN])
+        raise CheckpointError(where, f"entries named like a flattened optimizer's state ({shown}) but no "
+                                     "param_groups.<fqn>.* entries: not imported (they are not weights)")
+    return found
 
 
 def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int]) -> Layout:
@@ -88,8 +122,12 @@ def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int]) -> La
                 bad.append(key)
         elif not under_model and len(path) == 1 and key in tensors and path[0] not in OPTIMIZER_HEADS + EXTRA_HEADS:
             slots[key] = Slot("model", fqn=str(path[0]))
-    fqns = {s.fqn for s in slots.values()}
-    nested = flat = False
+    top = {} if opt else _top_level_optimizer(where, paths, {s.fqn for s in slots.values()})
+    slots.update(top)  # a moment saved beside the weights is optimizer state, not a weight
+    if top:
+        layout.optimizer_prefix = opt = TOP_LEVEL
+    fqns = {s.fqn for s in slots.values() if s.kind == "model"}
+    nested, flat = False, bool(top)
     for key, path in paths.items():
         if key in slots or key in bad:
             continue

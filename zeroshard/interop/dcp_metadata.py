@@ -25,6 +25,15 @@ from zeroshard.interop import files
 MAX_METADATA_BYTES = 1 << 30
 MAX_DIMS = 64
 MAX_CHUNKS_PER_TENSOR = 1024  # the overlap check is pairwise
+MAX_PATH_PARTS = 64  # a planner_data path: ("optim", "state", fqn, "exp_avg") has four
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """`value` for an error message: a plain scalar's repr (cut short), else its type's name
+    (the repr of a hostile 10,000-deep list would recurse past Python's limit)."""
+    if value is None or isinstance(value, (str, bytes, int, float)):
+        return repr(value)[:limit]
+    return f"a {type(value).__name__}"
 
 class _Record:
     """A stand-in for one of DCP's metadata dataclasses: the pickled fields become attributes.
@@ -40,7 +49,7 @@ class _Record:
                 raise pickle.UnpicklingError(f"{type(self).__name__}: unexpected state {type(part).__name__}")
             for key in part:  # field names only: a dunder (`__setstate__`) would shadow the stand-in's methods
                 if not isinstance(key, str) or key.startswith("__"):
-                    raise pickle.UnpicklingError(f"{type(self).__name__}: {str(key)[:40]!r} is not a field name")
+                    raise pickle.UnpicklingError(f"{type(self).__name__}: {_shown(key)} is not a field name")
             self.__dict__.update(part)
 
     def __repr__(self) -> str:
@@ -61,7 +70,7 @@ def _memory_format_code(value: Any) -> int:
     """DCP's _MEM_FORMAT_ENCODING enum, unpickled as its value (0 contiguous, 1 channels last,
     2 preserve)."""
     if value not in (0, 1, 2):
-        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING: unknown value {value!r}")
+        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING: unknown value {_shown(value)}")
     return value
 
 
@@ -180,11 +189,11 @@ def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
         fqn, name = getattr(index, "fqn", None), getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(fqn, str):
-            raise CheckpointError(path, f"a storage entry names {type(fqn).__name__} {str(fqn)[:40]!r}, not a key")
+            raise CheckpointError(path, f"a storage entry names {_shown(fqn)}, not a key")
         if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\0" in name:
-            raise CheckpointError(path, f"{fqn}: storage path {str(name)[:80]!r} is not a file name in the folder")
+            raise CheckpointError(path, f"{fqn}: storage path {_shown(name, 80)} is not a file name in the folder")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (offset, length)):
-            raise CheckpointError(path, f"{fqn}: storage offset/length {offset!r}/{length!r} are not "
+            raise CheckpointError(path, f"{fqn}: storage offset/length {_shown(offset)}/{_shown(length)} are not "
                                         "non-negative integers")
         if name not in sizes:
             sizes[name] = files.size_inside(files.join(folder, name), folder)
@@ -195,8 +204,9 @@ def _check_storage(path: str, storage: Any) -> dict[tuple[str, Any], Any]:
         where = getattr(index, "offset", None)
         dims = None if where is None else _dims(where)
         if where is not None and dims is None:
-            raise CheckpointError(path, f"{fqn}: storage entry offset {str(where)[:60]} is not a position")
-        if info.transform_descriptors is not None and not isinstance(info.transform_descriptors, (list, tuple)):
+            raise CheckpointError(path, f"{fqn}: storage entry offset {_shown(where, 60)} is not a position")
+        if getattr(info, "transform_descriptors", None) is not None \
+                and not isinstance(info.transform_descriptors, (list, tuple)):
             raise CheckpointError(path, f"{fqn}: transform_descriptors is not a list")
         by_key[(fqn, dims)] = info
     for name, spans in ranges.items():
@@ -220,10 +230,17 @@ def check_metadata(path: str, metadata: Any) -> None:
     planner = getattr(metadata, "planner_data", None)
     if planner is not None and not isinstance(planner, dict):
         raise CheckpointError(path, f"planner_data must be a dict, got {type(planner).__name__}")
+    for key, where in (planner or {}).items():  # each a path: ("model", "fc.weight"), ("optim", "state", ...)
+        if not isinstance(key, str):
+            raise CheckpointError(path, f"planner_data: a key is {_shown(key)}, not a string")
+        if not isinstance(where, (tuple, list)) or len(where) > MAX_PATH_PARTS or any(
+                isinstance(p, bool) or not isinstance(p, (str, int)) for p in where):
+            raise CheckpointError(path, f"planner_data: {key[:80]!r} maps to {_shown(where)}, not a path of at most "
+                                        f"{MAX_PATH_PARTS} names and indices")
     tiles: dict[str, tuple[Any, list[tuple[tuple, tuple]]]] = {}
     for key, entry in entries.items():
         if not isinstance(key, str):
-            raise CheckpointError(path, f"a key is {type(key).__name__} {str(key)[:40]!r}, not a string")
+            raise CheckpointError(path, f"a key is {_shown(key)}, not a string")
         kind = type(entry).__name__
         if kind == "BytesStorageMetadata":
             continue

@@ -11,7 +11,8 @@ or becomes a LazyTensor that preads only the bytes of the flat range asked for.
 The archive may be a byte range of a bigger file (a DCP .distcp file holds many at offsets).
 Refused with one CheckpointError naming the file, nothing run: compressed or encrypted records,
 records past the archive's end or overlapping, duplicate names, storages whose size disagrees
-with their pickle, views reaching past their storage, sparse or storage-less tensors.
+with their pickle, views reaching past their storage or declaring more bytes than it holds
+(stride 0), sparse or storage-less tensors.
 """
 
 from __future__ import annotations
@@ -330,6 +331,11 @@ class _Reader:
         if math.prod(shape) and outside:
             raise CheckpointError(self.src.path, f"a tensor of shape {list(shape)} reaches past its storage "
                                                  f"{record.name!r} ({record.size} bytes)")
+        declared = math.prod(shape) * meta.element_size()
+        if declared > record.size:  # stride 0 or overlapping strides: a copy would allocate all of it
+            raise CheckpointError(self.src.path, f"a tensor of shape {list(shape)} declares {declared} bytes over "
+                                                 f"its storage {record.name!r} of {record.size} (a stride-0 or "
+                                                 "overlapping view): refused before allocating")
         return record, first, span
 
     def _read(self, record: Record, offset: int, nbytes: int) -> Any:
