@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy on 127.0.0.1 in front of the moto S3 server (tests only).
 
 Every request is forwarded unchanged unless `rule(method, path, query)` returns a fault:
-  ("status", 500)       answer with that status and an S3-style error body, forwarding nothing;
+  ("status", 500)       answer with that status and an S3-style error body, forwarding nothing
+                        (code SlowDown for a 503, as S3 throttles; InternalError otherwise);
   ("drop", n)           read n bytes of the request body, then close the connection unanswered,
                         as a dropped network connection does mid-upload;
   ("hang", 0)           read the whole request, then never answer (until the client gives up);
@@ -71,7 +72,9 @@ class FaultProxy:
                     return
                 body = self._body()
                 if fault and fault[0] == "status":
-                    payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                    # a 503 is S3's throttling answer (SlowDown); any other status an InternalError
+                    code = b"SlowDown" if fault[1] == 503 else b"InternalError"
+                    payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>" + code + b"</Code>"
                                b"<Message>injected fault</Message></Error>")
                     self.send_response(fault[1])
                     self.send_header("Content-Type", "application/xml")

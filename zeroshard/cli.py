@@ -459,7 +459,8 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     manifest) and, on S3, pending multipart uploads. A leftover of a live process on this host
     is never stale; one of another host or an S3 upload is stale once older than AGE (a claim
     also once its writer's heartbeat has been silent for 10 minutes).
-    Committed checkpoints and any other file are never touched.
+    Committed checkpoints and any other file are never touched. A folder that cannot be read is
+    named (one error line each) and skipped; the rest is cleaned, and the exit status is then 1.
     """
     from zeroshard.storage.location import Location
     from zeroshard.toolkit.clean import clean as run
@@ -475,13 +476,16 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
         click.echo(f"{verb} {item.kind}: {item.url} ({item.size:,} bytes)")
     for item, why in report.kept:
         click.echo(f"kept {item.kind}: {item.url} ({why})")
-    for error in report.errors:
+    for error in report.errors + report.unreadable:
         click.echo(f"zeroshard: error: {error}", err=True)
     if not report.stale and not report.kept:
-        click.echo(f"nothing to clean under {path}")
+        click.echo(f"nothing to clean under {path}" + (" in the folders it could read" if report.unreadable else ""))
     elif verb == "stale" and report.stale:
         click.echo(f"{len(report.stale)} stale leftover(s); run again with --yes to remove them")
-    if report.errors:
+    if report.unreadable:
+        click.echo(f"{len(report.unreadable)} folder(s) could not be read, named above: any leftovers in them are "
+                   "still there", err=True)
+    if report.errors or report.unreadable:
         sys.exit(EXIT_ERROR)
 
 # ---- interop: import from DeepSpeed / DCP, export to DCP (zeroshard/interop) ----------------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zeroshard.storage.claim import CLAIM_NAME, writer_alive
+from zeroshard.storage.describe import describe_error
 from zeroshard.storage.location import TEMP_PREFIX, Location, storage_errors
 from zeroshard.storage.owner import owner_alive, owner_of_temp
 
@@ -55,11 +56,17 @@ class Leftover:
         return self.alive is False or (self.age_s is not None and self.age_s >= older_than_s)
 
 
-def find_leftovers(location: Location, recursive: bool = True) -> list[Leftover]:
-    """Every leftover under `location` (only its direct children unless recursive)."""
+def find_leftovers(location: Location, recursive: bool = True,
+                   unreadable: list[str] | None = None) -> list[Leftover]:
+    """Every leftover under `location` (only its direct children unless recursive).
+
+    `unreadable`: when given, a local folder below `location` that cannot be examined (listed,
+    or its entries stat'ed: permission denied, an I/O error) is skipped and named there, one line
+    each, so that the leftovers of every other folder are still found. Without it, and for
+    `location` itself, that failure raises a StorageError."""
     with storage_errors(location.url):
         if location.local:
-            return _find_local(location, location.path, recursive)
+            return _find_local(location, location.path, recursive, unreadable)
         return _find_remote(location, recursive) + _find_uploads(location, recursive)
 
 
@@ -83,11 +90,17 @@ def remove_leftovers_of_others(location: Location, took_over: bool = False) -> l
 
 
 # ---- local ---------------------------------------------------------------------------------
-def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover]:
+def _find_local(location: Location, path: str, recursive: bool,
+                unreadable: list[str] | None = None) -> list[Leftover]:
     out: list[Leftover] = []
     try:
-        entries = list(os.scandir(path))
+        entries = [entry for entry in os.scandir(path) if _stat(entry)]
     except (FileNotFoundError, NotADirectoryError):
+        return out
+    except OSError as exc:
+        if unreadable is None or path == location.path:
+            raise
+        unreadable.append(_not_examined(location, path, exc))
         return out
     now = time.time()
     for entry in entries:
@@ -96,7 +109,11 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
         if entry.name.startswith(TEMP_PREFIX):  # See [Note: temp names] (location.py)
             alive = owner_alive(owner_of_temp(entry.name, TEMP_PREFIX))
             if entry.is_dir(follow_symlinks=False):
-                size, newest = _tree_size_and_mtime(entry.path)
+                size, newest, failure = _tree_size_and_mtime(entry.path)
+                if failure is not None and unreadable is not None:
+                    # neither its age nor an interrupted swap's marker can be known: not judged
+                    unreadable.append(_not_examined(location, *failure))
+                    continue
                 out.append(Leftover(url, "staging folder", size, now - max(newest, st.st_mtime), alive,
                                     _rmtree(entry.path), _keep_reason(entry.path, os.path.dirname(entry.path))))
             else:
@@ -106,9 +123,20 @@ def _find_local(location: Location, path: str, recursive: bool) -> list[Leftover
             alive = False if entry.name != CLAIM_NAME else writer_alive(doc)
             out.append(Leftover(url, "claim", st.st_size, now - st.st_mtime, alive, _unlink(entry.path)))
         elif recursive and entry.is_dir(follow_symlinks=False):  # never into a link: it leads elsewhere
-            out.extend(_find_local(location, entry.path, recursive))
+            out.extend(_find_local(location, entry.path, recursive, unreadable))
     return out + _uncommitted(out, {e.name: e for e in entries}, location.url + "/"
                               + os.path.relpath(path, location.path).replace(os.sep, "/"), now)
+
+
+def _stat(entry: os.DirEntry) -> bool:
+    """Stat `entry` (DirEntry keeps it: later stat(follow_symlinks=False) calls are free); False
+    if it was removed meanwhile. Other errors are the folder's: without x, none of its entries can
+    be stat'ed."""
+    try:
+        entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _uncommitted(found: list[Leftover], entries: dict[str, os.DirEntry], url: str, now: float) -> list[Leftover]:
@@ -127,14 +155,34 @@ def _uncommitted(found: list[Leftover], entries: dict[str, os.DirEntry], url: st
     return out
 
 
-def _tree_size_and_mtime(path: str) -> tuple[int, float]:
+def _not_examined(location: Location, path: str, exc: OSError) -> str:
+    """One line naming a folder that could not be examined, and what that means for it."""
+    url = location.url + "/" + os.path.relpath(path, location.path).replace(os.sep, "/")
+    return f"{url}: {describe_error(exc)} (not examined: nothing in it was cleaned)"
+
+
+def _tree_size_and_mtime(path: str) -> tuple[int, float, tuple[str, OSError] | None]:
+    """Size and newest mtime of a tree, and the first folder in it that could not be read, with
+    why (None: all read; what was removed meanwhile does not count)."""
     size, newest = 0, 0.0
-    for folder, _, files in os.walk(path):  # os.walk does not follow links by default
+    failures: list[tuple[str, OSError]] = []
+
+    def failed(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            failures.append((exc.filename or path, exc))
+
+    for folder, _, files in os.walk(path, onerror=failed):  # os.walk does not follow links by default
         for name in files:
-            st = os.lstat(os.path.join(folder, name))
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # a folder that lists but cannot be searched (no x)
+                failures.append((folder, exc))
+                continue
             size += st.st_size
             newest = max(newest, st.st_mtime)
-    return size, newest
+    return size, newest, failures[0] if failures else None
 
 
 def _keep_reason(stage: str, target: str) -> str:

@@ -23,6 +23,7 @@ import errno
 import random
 from typing import Any, Awaitable, Callable, TypeVar
 
+from fsspec.asyn import sync_wrapper
 from s3fs import S3FileSystem
 
 T = TypeVar("T")
@@ -116,6 +117,12 @@ class BoundedS3FileSystem(S3FileSystem):
     async def _cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
         # the body is read after _call_s3 returned: a connection dropped mid-body is retried here
         return await self.within_budget(lambda: super(BoundedS3FileSystem, self)._cat_file(path, *args, **kwargs))
+
+    # s3fs binds its blocking call_s3 to S3FileSystem._call_s3 in its class body, so an override
+    # of _call_s3 alone is bypassed by every blocking call_s3: the leftovers scan's upload listing
+    # (run by every command before it writes into an output) and S3File's writes (put_object,
+    # multipart) went out with no retry, and one 503 SlowDown failed the command (issue 51).
+    call_s3 = sync_wrapper(_call_s3)
 
     async def within_budget(self, attempt: Callable[[], Awaitable[T]], cap: float | None = None) -> T:
         """Run `attempt()` until it succeeds, fails for good, or the budget is spent. `cap`: the

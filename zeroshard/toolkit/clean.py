@@ -27,15 +27,17 @@ def parse_age(text: str) -> float:
 class CleanReport:
     stale: list[Leftover] = field(default_factory=list)  # removed, or to remove in a dry run
     kept: list[tuple[Leftover, str]] = field(default_factory=list)  # found but left, and why
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # removals that failed, one line each
+    unreadable: list[str] = field(default_factory=list)  # folders not examined (one line each, naming it)
 
 
 def clean(path: str, *, older_than_s: float = 3600.0, dry_run: bool = True,
           storage_options: dict | None = None) -> CleanReport:
-    """Find leftovers under `path`; remove the stale ones unless `dry_run`."""
+    """Find leftovers under `path`; remove the stale ones unless `dry_run`. A folder below `path`
+    that cannot be examined is named in `report.unreadable` and the rest is still cleaned."""
     path = os.fspath(path)  # any os.PathLike
     report = CleanReport()
-    for leftover in find_leftovers(Location(path, storage_options)):
+    for leftover in find_leftovers(Location(path, storage_options), unreadable=report.unreadable):
         if leftover.stale(older_than_s):
             report.stale.append(leftover)
         else:
