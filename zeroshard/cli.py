@@ -137,6 +137,12 @@ def shard(src: str, out: str, world_size: int, strip_prefix: tuple[str, ...], ov
 @click.option("--config", "config", default=None, metavar="FILE",
               help="Copy JSON FILE into folder OUT as config.json (default: the model config the "
                    "checkpoint carries, if any).")
+@click.option("--peft", is_flag=True,
+              help="Write a PEFT adapter folder: adapter_model.safetensors (the adapter's tensors, named as PEFT's "
+                   "save_pretrained names them) + adapter_config.json; PeftModel.from_pretrained loads it.")
+@click.option("--adapter-config", default=None, metavar="FILE",
+              help="With --peft: copy FILE (PEFT's adapter_config.json) into OUT (default: the PEFT config "
+                   "recorded at save).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("-j", "--workers", type=click.IntRange(min=1), default=None,
               help="Workers sharing the work on this machine: threads for big files, else processes "
@@ -148,9 +154,9 @@ def shard(src: str, out: str, world_size: int, strip_prefix: tuple[str, ...], ov
 @click.option("--dry-run", is_flag=True, help="Print what would be read and written (files, bytes); write nothing.")
 @_common
 def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | None, include: tuple[str, ...],
-                exclude: tuple[str, ...], strip_prefix: tuple[str, ...], config: str | None, overwrite: bool,
-                workers: int | None, distributed: bool | None, dry_run: bool, storage_options: dict,
-                quiet: bool) -> None:
+                exclude: tuple[str, ...], strip_prefix: tuple[str, ...], config: str | None, peft: bool,
+                adapter_config: str | None, overwrite: bool, workers: int | None, distributed: bool | None,
+                dry_run: bool, storage_options: dict, quiet: bool) -> None:
     """Write the full model's weights from checkpoint CKPT.
 
     \b
@@ -158,6 +164,7 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
     OUT a folder: HF's layout, model-00001-of-0000N.safetensors + model.safetensors.index.json
     (or a single model.safetensors when everything fits in one shard, as HF does), loadable with
     transformers' from_pretrained once a config.json sits beside it.
+    --peft: OUT a folder of a PEFT adapter, as PeftModel.save_pretrained writes it.
 
     Each rank file is read once, front to back, hash-checked, and every fragment placed at its
     offset (S3 outputs are streamed front to back instead); tied weights recorded in the
@@ -170,6 +177,11 @@ def consolidate(ckpt: str, out: str, dtype: str | None, max_shard_size: str | No
         raise ZeroshardError(f"{out}: consolidate writes safetensors, not {out.rsplit('.', 1)[-1]}: name the file "
                              f"*.safetensors (one file) or give a folder (HF's layout)")
     choice = {"include": list(include), "exclude": list(exclude), "strip_prefix": list(strip_prefix)}
+    if peft or adapter_config is not None:  # an adapter is small: one process writes it
+        if distributed:
+            raise ZeroshardError(f"{out}: --peft writes in one process; drop --distributed")
+        distributed = False
+        choice.update(peft=peft, adapter_config=adapter_config)
     torchrun = not dry_run and _use_torchrun(distributed)
     opened = None if torchrun else _open(ckpt, storage_options)
     if dry_run:

@@ -30,7 +30,7 @@ from zeroshard.agree import gather_all
 from zeroshard.checkpointing.contents import engine_contents
 from zeroshard.checkpointing.load import load_checkpoint, load_pretrained
 from zeroshard.checkpointing.memory_tier import MemoryFolder, check_fits, node_bytes, write_memory_checkpoint
-from zeroshard.checkpointing.model_config import model_config_of
+from zeroshard.checkpointing.model_config import model_config_of, peft_config_of
 from zeroshard.checkpointing.recovery import recover
 from zeroshard.checkpointing.repeat_save import SaveFingerprint, fingerprint, repeats
 from zeroshard.checkpointing.save import SaveJob, agree_on_save, new_checkpoint_id, write_and_commit
@@ -140,6 +140,9 @@ class Checkpointer:
                 config = model_config_of(engine.module)
                 if config is not None:  # consolidate writes it as config.json by default
                     manifest_extra["model_config"] = config
+                adapters = peft_config_of(engine.module)
+                if adapters is not None:  # consolidate --peft writes it as adapter_config.json
+                    manifest_extra["peft_config"] = adapters
             per_rank = {k: o.state_dict() for k, o in objects.items() if scope_of(o) == "rank"}
             rank_state = encode_rank_state(per_rank) if per_rank else b""
             contents = engine_contents(engine.checkpoint_state(), rank_state)
