@@ -544,10 +544,12 @@ def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool
               help="Model tensors whose full name matches are buffers, not parameters (model-only sources).")
 @click.option("--param-names", "param_names", type=click.File("r", encoding="utf-8"), default=None, metavar="FILE",
               help="An Accelerate save_state's optimizer.bin parameters in index order, one name a line.")
+@click.option("--head-dim", "head_dim", type=int, default=None, metavar="N",
+              help="A torchtitan model with fused QKV (wqkv): its attention head size, to fuse wq/wk/wv.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @_common
-def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, param_names: Any, overwrite: bool,
-               storage_options: dict, quiet: bool) -> None:
+def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, param_names: Any,
+               head_dim: int | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
     """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
     {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
     Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/, or with
@@ -556,7 +558,9 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     transformers release that saved it, to learn the order of optimizer.pt's parameters), or an
     Accelerate save_state without FSDP or DeepSpeed (model.safetensors + optimizer.bin; the
     order of optimizer.bin's parameters from its param groups' names when the optimizer was
-    built from named_parameters(), else from --param-names).
+    built from named_parameters(), else from --param-names). A torchtitan checkpoint of a model
+    with fused QKV (llama3's) needs --head-dim: its optimizer holds the fused wqkv, its model
+    entries the split wq/wk/wv, fused back as the module holds them.
 
     Read without a process group: `.metadata` through a restricted unpickler, tensors straight
     from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
@@ -568,7 +572,8 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     check_world_size(world_size)  # before anything is read or touched
     release_large_blocks()  # this process only imports: freed windows go back to the system
     names = None if param_names is None else [n.strip() for n in param_names.read().splitlines() if n.strip()]
-    imported = read_dcp(src, buffers, storage_options, names)  # SRC may be s3:// (the same storage options as OUT)
+    # SRC may be s3:// (the same storage options as OUT)
+    imported = read_dcp(src, buffers, storage_options, names, head_dim)
     _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 

@@ -100,13 +100,32 @@ def full_state_dict(engine: "EngineView") -> dict[str, Any]:
     return out
 
 
+def module_entries(module: torch.nn.Module) -> dict[str, Any]:
+    """module.state_dict(keep_vars=True) without the modules' state-dict hooks: parameters,
+    persistent buffers and extra state, named as the modules hold them. A hook may rename or
+    recompute entries (torchtitan's fused-QKV attention splits its wqkv parameter into new
+    wq/wk/wv tensors, reading a stage-3 parameter's released storage); the engine holds the
+    parameters themselves, so its checkpoints name them as named_parameters() does."""
+    out: dict[str, Any] = {}
+
+    def walk(m: torch.nn.Module, prefix: str) -> None:
+        m._save_to_state_dict(out, prefix, True)  # what state_dict() runs for each module, before its hooks
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
+    return out
+
+
 def full_state_items(engine: "EngineView") -> Iterator[tuple[str, Any]]:
-    """(name, value) for each entry of model.state_dict(), in order: on rank 0 full CPU tensors
+    """(name, value) for each entry of model.state_dict() (module_entries: its hooks not run), in
+    order: on rank 0 full CPU tensors
     (parameters fp32, buffers in their dtype before the engine's cast), elsewhere None.
     Collective: every rank iterates to the end. A gathered parameter is kept only until its
     last tied name, so memory holds one tensor (plus tied ones) whatever the model size."""
     engine.wait_params()  # stages 1-2: the module's buffers and names are read below
-    refs = engine.module.state_dict(keep_vars=True)
+    refs = module_entries(engine.module)
     root = engine.rank == 0
     uses: dict[int, int] = {}
     for value in refs.values():
@@ -150,7 +169,7 @@ def _gather_full(engine: "EngineView", s: Any) -> torch.Tensor | None:
 
 def load_full_state_dict(engine: "EngineView", state_dict: Mapping[str, Any], strict: bool = True) -> None:
     """Every rank passes the full state dict; each keeps its own range. No communication."""
-    refs = engine.module.state_dict(keep_vars=True)
+    refs = module_entries(engine.module)
     missing = [k for k in refs if k not in state_dict]
     unexpected = [k for k in state_dict if k not in refs]
     if strict and (missing or unexpected):
@@ -179,7 +198,7 @@ def checkpoint_state(engine: "EngineView") -> EngineState:
     engine.wait_params()
     aliases: dict[str, str] = {}
     buffers: list[BufferState] = []
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in module_entries(engine.module).items():
         shard = engine.shard_of(value)
         if shard is not None:
             if shard.name != key:

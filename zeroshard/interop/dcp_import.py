@@ -25,7 +25,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.training_state import scalar_json, to_json_value
-from zeroshard.interop import dcp_chunks, files
+from zeroshard.interop import dcp_chunks, files, torchtitan
 from zeroshard.interop.accelerate_plain import OWN as ACCELERATE_PLAIN_OWN
 from zeroshard.interop.accelerate_plain import AcceleratePlainSource
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
@@ -222,18 +222,20 @@ def _groups(folder: str, layout: Layout, nested: dict[int, dict[str, Any]], flat
 
 
 def read_dcp(src: str, buffers: str | None = None, storage_options: dict | None = None,
-             param_names: list[str] | None = None) -> Imported:
+             param_names: list[str] | None = None, head_dim: int | None = None) -> Imported:
     """Read the DCP checkpoint folder `src` (or an Accelerate save_state folder), a local path or
     a URL (s3://; `storage_options` for its filesystem). `buffers`: a regex; model tensors whose
     name matches it in full are buffers, not parameters. `param_names`: the parameters of a plain
-    Accelerate save_state's optimizer.bin in index order (accelerate_plain.py). Tensors read
+    Accelerate save_state's optimizer.bin in index order (accelerate_plain.py). `head_dim`: the
+    attention head size of a torchtitan model with fused QKV (torchtitan.py). Tensors read
     later (LazyTensors) use the same storage options."""
     src = os.fspath(src)  # any os.PathLike
     with files.storage_options(storage_options):
-        return _read_dcp(src, buffers, param_names)
+        return _read_dcp(src, buffers, param_names, head_dim)
 
 
-def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = None) -> Imported:
+def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = None,
+              head_dim: int | None = None) -> Imported:
     import torch
 
     folder = src.rstrip("/") or "/"
@@ -250,7 +252,8 @@ def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = Non
                 raise CheckpointError(folder, f"{key}: in both {owner[key].folder} and {source.folder}")
             owner[key], paths[key] = source, source.path(key)
     tensors = {k: dims for k, dims in ((k, s.dims(k)) for k, s in owner.items()) if dims is not None}
-    layout: Layout = classify(folder, paths, tensors)
+    fused = torchtitan.fused_qkv(folder, paths, tensors, head_dim)
+    layout: Layout = classify(folder, paths, tensors, frozenset(fused))
 
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -270,7 +273,16 @@ def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = Non
         else:
             extras[slot.key] = value
 
-    groups = _groups(folder, layout, nested, flat, list(model), notes)
+    order = list(model)
+    if fused:  # See [Note: torchtitan fused QKV]
+        model = torchtitan.fuse(folder, model, fused, head_dim or 0)
+        # the optimizer's order (its sharded state comes first in DCP's metadata; the split
+        # weights, saved by one rank, come last): the order of the module's parameters
+        order = list(dict.fromkeys([s.fqn for k, s in layout.slots.items() if s.kind == "state" and tensors.get(k)]
+                                   + list(model)))
+        notes.append(f"torchtitan's fused attention: {len(fused)} wqkv parameter(s) fused from the model entries' "
+                     f"wq/wk/wv with head_dim {head_dim}, as the module holds them (the names its optimizer state has)")
+    groups = _groups(folder, layout, nested, flat, order, notes)
     in_groups = [n for g in groups for n in g["params"]]
     absent = [n for n in list(dict.fromkeys(in_groups)) + [n for n in state if n not in in_groups]
               if n not in model]
@@ -379,5 +391,11 @@ def _carry_extras(imp: Imported, extras: dict[str, Any], notes: list[str]) -> No
     imp.client_state = client or None
     if client:
         notes.append(f"carried into client_state: {', '.join(sorted(client))}")
+    loader = [d for d in dropped if d.startswith("dataloader.dp_rank_")]
+    if loader:  # torchtitan's ParallelAwareDataloader: each data-parallel rank's position, pickled
+        notes.append(f"not imported: torchtitan's dataloader state, {', '.join(loader)} (each data-parallel "
+                     "rank's position as pickled bytes, which zeroshard never unpickles): position your data from "
+                     "client_state['train_state']['step']")
+    dropped = [d for d in dropped if d not in loader]
     if dropped:
         notes.append(f"not imported (not JSON data): {', '.join(dropped)}")

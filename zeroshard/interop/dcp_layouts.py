@@ -16,7 +16,8 @@ tools write:
    `state.<fqn>.<k>` and `param_groups.<fqn>.<k>` where fqn is a model key; its moments are
    optimizer state, never weights;
  - torchtitan's `lr_scheduler`, `dataloader`, `train_state`, and other non-tensor (or 0-d
-   tensor) entries beside the model, which become client state.
+   tensor) entries beside the model, which become client state; its optimizer state of a fused
+   parameter the model entries hold split (`assembled`, torchtitan.py).
 
 Anything else is refused naming the keys not understood: nothing is dropped silently.
 """
@@ -102,10 +103,12 @@ def _top_level_optimizer(where: str, paths: dict[str, tuple], fqns: set[str]) ->
     return found
 
 
-def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int]) -> Layout:
+def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int], assembled: frozenset[str] = frozenset()
+             ) -> Layout:
     """The layout of a checkpoint whose flat keys have `paths`; `tensors`: the keys that are
-    tensors, with their number of dimensions (the others are pickled objects). Raises
-    CheckpointError listing what fits no layout."""
+    tensors, with their number of dimensions (the others are pickled objects); `assembled`:
+    parameter names the optimizer may hold that are built from other model entries
+    (See [Note: torchtitan fused QKV]). Raises CheckpointError listing what fits no layout."""
     heads = {p[0] for p in paths.values() if p}
     optimizers = [h for h in OPTIMIZER_HEADS if h in heads]
     if len(optimizers) > 1:
@@ -122,11 +125,11 @@ def classify(where: str, paths: dict[str, tuple], tensors: dict[str, int]) -> La
                 bad.append(key)
         elif not under_model and len(path) == 1 and key in tensors and path[0] not in OPTIMIZER_HEADS + EXTRA_HEADS:
             slots[key] = Slot("model", fqn=str(path[0]))
-    top = {} if opt else _top_level_optimizer(where, paths, {s.fqn for s in slots.values()})
+    top = {} if opt else _top_level_optimizer(where, paths, {s.fqn for s in slots.values()} | assembled)
     slots.update(top)  # a moment saved beside the weights is optimizer state, not a weight
     if top:
         layout.optimizer_prefix = opt = TOP_LEVEL
-    fqns = {s.fqn for s in slots.values() if s.kind == "model"}
+    fqns = {s.fqn for s in slots.values() if s.kind == "model"} | assembled
     nested, flat = False, bool(top)
     for key, path in paths.items():
         if key in slots or key in bad:
