@@ -504,7 +504,7 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
 
 @main.group("import")
 def import_group() -> None:
-    """Convert a DeepSpeed or DCP (FSDP2) checkpoint into a zeroshard checkpoint."""
+    """Convert a DeepSpeed, DCP (FSDP2) or Megatron-Core checkpoint into a zeroshard checkpoint."""
 
 
 @import_group.command("deepspeed")
@@ -575,6 +575,36 @@ def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, 
     # SRC may be s3:// (the same storage options as OUT)
     imported = read_dcp(src, buffers, storage_options, names, head_dim)
     _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
+                                  storage_options=storage_options, source=src), out)
+
+
+@import_group.command("megatron")
+@click.argument("src")
+@click.argument("out")
+@click.option("--world", "--to", "world_size", type=int, default=None,
+              help="Ranks to write for (default: the source's, one per .distcp file).")
+@click.option("--split-layers", "split_layers", is_flag=True,
+              help="Cut stacked layer tensors [layers, ...] into decoder.layers.{i}.… (default: kept stacked).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_common
+def import_megatron(src: str, out: str, world_size: int | None, split_layers: bool, overwrite: bool,
+                    storage_options: dict, quiet: bool) -> None:
+    """A Megatron-Core dist_checkpointing folder in its torch_dist format (metadata.json,
+    .metadata, __*_*.distcp: what NeMo and Megatron-LM save by default), model weights only.
+
+    Tensor-parallel (and pipeline-parallel) pieces are joined into whole tensors; the layers a
+    TransformerBlock stacks on a leading axis stay one [layers, ...] tensor unless
+    --split-layers names them decoder.layers.{i}.… as the module's state_dict() does. The
+    iteration becomes the step; _extra_state entries are listed, not imported; optimizer state
+    is refused. SRC and OUT may be local or s3://.
+    """
+    from zeroshard.interop.megatron import read_megatron
+    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
+
+    check_world_size(world_size)  # before anything is read or touched
+    release_large_blocks()
+    imported = read_megatron(src, split_layers, storage_options)
+    _report_import(write_imported(imported, out, world_size, tag="megatron", overwrite=overwrite,
                                   storage_options=storage_options, source=src), out)
 
 

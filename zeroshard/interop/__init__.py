@@ -14,6 +14,7 @@
   dcp_metadata.py    reading torch.distributed.checkpoint `.metadata` (restricted unpickler)
   dcp_import.py      reading DCP checkpoints (FSDP2 model + optimizer) without a process group
   dcp_export.py      writing a zeroshard checkpoint as a DCP checkpoint (local or s3://)
+  megatron.py        Megatron-Core's torch_dist dist_checkpointing folders (weights; stacked layers)
   pickled_state.py   a torch.save'd full state dict (Accelerate's FULL_STATE_DICT) as DCP keys
   pickled_model.py   a torch.save'd full model (pytorch_model.bin, model.pt) as byte ranges, for
                      `shard` and `load_pretrained` (safetensors ones: format/full_model.py)

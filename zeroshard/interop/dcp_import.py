@@ -25,7 +25,7 @@ from typing import Any
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.training_state import scalar_json, to_json_value
-from zeroshard.interop import dcp_chunks, files, torchtitan
+from zeroshard.interop import dcp_chunks, files, megatron, torchtitan
 from zeroshard.interop.accelerate_plain import OWN as ACCELERATE_PLAIN_OWN
 from zeroshard.interop.accelerate_plain import AcceleratePlainSource
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
@@ -94,6 +94,10 @@ def _sources(folder: str, param_names: list[str] | None = None) -> tuple[list[An
     `param_names`: the optimizer's parameters in index order, for a plain Accelerate save_state."""
     if not files.isdir(folder):
         raise CheckpointError(folder, "no such DCP checkpoint folder")
+    backend = megatron.backend_of(folder)
+    if backend is not None:  # Megatron-Core's dist_checkpointing: its own keys and stacked layers
+        raise CheckpointError(folder, f"a Megatron-Core dist checkpoint (sharded_backend {backend[:40]!r}): "
+                                      "import it with `zeroshard import megatron`")
     if _has_metadata(folder):
         notes = []
         sibling = files.join(files.parent(folder), ACCELERATE_OPTIMIZER)

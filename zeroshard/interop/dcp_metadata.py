@@ -74,6 +74,14 @@ def _memory_format_code(value: Any) -> int:
     return value
 
 
+def _write_item_type(value: Any) -> int:
+    """DCP's WriteItemType enum (in the save plans Megatron-Core keeps in `.metadata`), unpickled
+    as its value (1 tensor, 2 shard, 3 bytes)."""
+    if value not in (1, 2, 3):
+        raise pickle.UnpicklingError(f"WriteItemType: unknown value {_shown(value)}")
+    return value
+
+
 def _record(name: str, base: type = _Record, **defaults: Any) -> type:
     return type(name, (base,), {"__module__": __name__, **defaults})
 
@@ -91,6 +99,14 @@ _DCP_CLASSES: dict[str, dict[str, Any]] = {
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo": _record("_StorageInfo", transform_descriptors=None)},
     "torch.distributed.checkpoint._extension": {"ExtensionRegistry": _record("ExtensionRegistry")},
+    # Megatron-Core's torch_dist saves keep every rank's SavePlan in Metadata.all_local_plans (to
+    # check a reused plan on the next save); nothing here reads them, the stand-ins only hold them
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan": _record("SavePlan", storage_data=None, planner_data=None, usable=True),
+        "WriteItem": _record("WriteItem", bytes_io_data=None, tensor_data=None),
+        "TensorWriteData": _record("TensorWriteData"),
+        "WriteItemType": _write_item_type,
+    },
 }
 _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
 
