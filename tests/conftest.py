@@ -106,3 +106,52 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             _deepspeed_op_build.wait(timeout=600)
         except subprocess.TimeoutExpired:
             _deepspeed_op_build.kill()
+
+
+# [Note: test tiers]
+# Every test file says which tier it belongs to with a module constant, TIER, by the rule in
+# docs/TESTING.md (what the test starts and how long it takes):
+#   "default" - the README's test command (`tools/dev.sh test`): none of its tests is slow;
+#   "slow"    - every test of the file is marked slow (`tools/dev.sh test --all`, and CI);
+#   "mixed"   - the file marks its slow tests itself with @pytest.mark.slow.
+# A file without a valid TIER stops the collection: no test drifts into a tier by omission.
+# `exclusive` (orthogonal to the tier) marks a test that measures the machine's time or memory
+# and must not share it: tools/dev.sh runs those after the parallel pass, one at a time.
+TIERS = ("default", "slow", "mixed")
+DEFAULT_TIER_BUDGET_S = 10.0  # a default-tier test over this is reported at the end of the run
+_over_budget: list[tuple[str, float]] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module if isinstance(item, pytest.Function) else None
+        if module is None:
+            continue
+        tier = getattr(module, "TIER", None)
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.fspath}: TIER = {tier!r}; each test file declares "
+                                    f"TIER = one of {TIERS} (docs/TESTING.md)")
+        if tier == "slow":
+            item.add_marker(pytest.mark.slow)
+        elif tier == "default" and item.get_closest_marker("slow") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked slow in a file of TIER = 'default': "
+                                    "make the file 'mixed' (docs/TESTING.md)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    import distributed  # tests/ is on sys.path: the rank harness enforces the default tier's rank count
+
+    distributed.default_tier_test = None if item.get_closest_marker("slow") else item.nodeid
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > DEFAULT_TIER_BUDGET_S and "slow" not in report.keywords:
+        _over_budget.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _over_budget:
+        terminalreporter.section(f"default-tier tests over {DEFAULT_TIER_BUDGET_S:.0f} s (docs/TESTING.md: "
+                                 "make them faster or mark them slow)")
+        for nodeid, seconds in sorted(_over_budget, key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")

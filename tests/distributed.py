@@ -141,6 +141,18 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
+# See [Note: test tiers] (tests/conftest.py): a default-tier test starts at most this many ranks,
+# on the 2-core machine the default command is sized for; conftest names the running test here
+# when it is not marked slow.
+DEFAULT_TIER_MAX_RANKS = 2
+# The exceptions, each with its reason (docs/TESTING.md names them too).
+WIDER_IN_THE_DEFAULT_TIER = {
+    "tests/test_memory_tier.py::test_a_lost_node_and_the_job_goes_on_with_fewer_ranks_from_the_surviving_copies":
+        "the default tier's one node-loss case needs two simulated nodes of two ranks",
+}
+default_tier_test: str | None = None
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 120, *,
               init_process_group: bool = True, env: dict[str, str] | None = None,
               fresh: bool = False, **kwargs: Any) -> list[Any]:
@@ -152,6 +164,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 120, *,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if (default_tier_test is not None and world_size > DEFAULT_TIER_MAX_RANKS
+            and default_tier_test not in WIDER_IN_THE_DEFAULT_TIER):
+        if os.environ.get("ZEROSHARD_RANKS_LOG"):
+            with open(os.environ["ZEROSHARD_RANKS_LOG"], "a") as log:
+                log.write(f"{default_tier_test} {world_size}\n")
+        else:
+            raise RankError(f"{default_tier_test} is in the default tier but starts {world_size} ranks (at most "
+                            f"{DEFAULT_TIER_MAX_RANKS}): mark it slow (docs/TESTING.md)")
     pool = _Pool(world_size) if fresh else _pools.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:

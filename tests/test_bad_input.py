@@ -17,6 +17,8 @@ from zeroshard.cli import main
 
 from checkpoints import odd_model, save_model, training_state, write_checkpoint
 
+TIER = "default"  # docs/TESTING.md
+
 RANK1 = "rank-00001-of-00003.safetensors"
 
 

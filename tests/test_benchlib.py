@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "default"  # docs/TESTING.md
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import benchlib  # noqa: E402
 

@@ -23,6 +23,8 @@ from zeroshard.toolkit.shard import shard
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 
 class WithBuffers(torch.nn.Module):
     """A linear layer and three persistent buffers; `buffers` renames, reshapes or drops them."""

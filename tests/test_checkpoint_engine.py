@@ -20,6 +20,8 @@ import zeroshard
 from distributed import RankError, run_ranks
 from test_engine_models import assert_losses_close, assert_state_close, batches, build_optimizer, make_model, train_step
 
+TIER = "mixed"  # docs/TESTING.md
+
 K, GLOBAL_BATCH, GAS = 2, 24, 2  # the global batch divides evenly at world sizes 2, 3 and 4
 
 
@@ -82,6 +84,7 @@ def world4(tmp_path_factory) -> dict[str, Any]:
     return {"ckpt": ckpt, "ranks": result, "rank0": result[0]}
 
 
+@pytest.mark.slow
 def test_resume_at_same_world_and_stage_is_exact(world4):
     resumed = run_ranks(run, 4, timeout=240, stage=3, steps=2 * K, resume=world4["ckpt"])
     ref = world4["rank0"]
@@ -92,6 +95,7 @@ def test_resume_at_same_world_and_stage_is_exact(world4):
         assert torch.equal(resumed[rank]["rng_after_load"], world4["ranks"][rank][f"rng_at_{K}"])
 
 
+@pytest.mark.slow
 def test_offline_reshard_then_resume_at_world2_stage2(world4, tmp_path):
     from zeroshard.toolkit.reshard import reshard
 
@@ -101,6 +105,7 @@ def test_offline_reshard_then_resume_at_world2_stage2(world4, tmp_path):
     assert_state_close(resumed[0]["state"], world4["rank0"]["state"], 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_here", ["100000", "1"], ids=["hashed-inline", "hashed-behind"])
 def test_load_time_reshard_at_world3_stage1(world4, ranks_here):
     """Also with the load's hashing on a thread behind its reads (a core to spare: one rank per
@@ -111,6 +116,7 @@ def test_load_time_reshard_at_world3_stage1(world4, ranks_here):
     assert_state_close(resumed[0]["state"], world4["rank0"]["state"], 1e-5)
 
 
+@pytest.mark.slow
 def test_consolidate_equals_full_state_dict_and_loads_strict(world4, tmp_path):
     from safetensors.torch import load_file
 
@@ -128,6 +134,7 @@ def test_consolidate_equals_full_state_dict_and_loads_strict(world4, tmp_path):
     plain.load_state_dict(weights, strict=True)
 
 
+@pytest.mark.slow
 def test_inspect_reads_engine_checkpoint(world4):
     from zeroshard.toolkit.inspect import inspect_checkpoint
 
@@ -138,6 +145,7 @@ def test_inspect_reads_engine_checkpoint(world4):
     assert info["aliases"] == {"head.weight": "tok.weight"}
 
 
+@pytest.mark.slow
 def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path):
     from zeroshard.format import open_checkpoint
     from zeroshard.toolkit.verify import verify
@@ -207,6 +215,7 @@ def strict_load(rank: int, world: int, ckpt: str) -> tuple[list[str], list[str]]
     return errors, said
 
 
+@pytest.mark.slow
 def test_strict_load_lists_the_names(world4):
     (errors, said), (_, said_1) = run_ranks(strict_load, 2, timeout=120, ckpt=world4["ckpt"])
     assert "blocks.2." in errors[0] and "missing from the checkpoint" in errors[0]
@@ -227,6 +236,7 @@ def pretrained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     return engine.full_state_dict()
 
 
+@pytest.mark.slow
 def test_load_pretrained_full_model_and_hf_folder(world4, tmp_path):
     from safetensors.torch import load_file
 

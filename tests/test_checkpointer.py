@@ -19,6 +19,8 @@ from zeroshard.checkpointing.stateful import decode_rank_state, encode_rank_stat
 
 from distributed import run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 LEGACY = Path(__file__).parent / "data" / "engine-1.1-rng"
 
 
@@ -79,6 +81,7 @@ def load_positions(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"shared": shared.value, "mine": mine.value, "warnings": [str(w.message) for w in caught]}
 
 
+@pytest.mark.slow
 def test_stateful_objects_come_back_global_everywhere_and_per_rank_only_at_the_same_world(tmp_path):
     run_ranks(save_positions, 2, timeout=120, path=str(tmp_path / "ck"))
     same = run_ranks(load_positions, 2, timeout=120, path=str(tmp_path / "ck" / "t"))
@@ -217,6 +220,7 @@ def save_for_size(rank: int, world: int, path: str) -> None:
     engine.save_checkpoint(path, tag="t")
 
 
+@pytest.mark.slow
 def test_the_manifest_holds_nothing_per_rank_but_a_file_and_a_rank_state_entry(tmp_path):
     sizes = {}
     for world in (2, 4):
@@ -377,7 +381,7 @@ BEHIND = {True: {"LOCAL_WORLD_SIZE": "1"}, False: {"LOCAL_WORLD_SIZE": "100000"}
 
 
 @pytest.mark.parametrize("behind", [False, True], ids=["hashed-inline", "hashed-behind"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_flipped_byte_is_caught_by_a_load_at_any_world_size(tmp_path, world, behind):
     """At another world size a rank reads only parts of the saved fragments; their hashes cover
     whole fragments, so the loader reads the rest too (into scratch) to check them. With a core
@@ -416,6 +420,8 @@ def test_hostile_training_fields_fail_the_load_on_every_rank(tmp_path, field, va
                for r in result), result
 
 
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_steps_wait_on_a_background_write_only_for_what_it_reads_in_place():
     """Every optimizer step calls detach() while an async save is in flight. It used to take the
     writer's lock each time, so each step waited for the tensor being written, I/O included,

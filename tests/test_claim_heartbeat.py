@@ -22,6 +22,8 @@ from zeroshard.storage.owner import host_id, owner_alive
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 OTHER_HOST = "ffffffff.12345"  # an owner whose process this host cannot see
 
 

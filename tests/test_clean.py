@@ -19,6 +19,8 @@ from zeroshard.storage.owner import host_id, owner_tag
 
 from checkpoints import training_state, write_checkpoint
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def dead_owner() -> str:
     pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
@@ -138,6 +140,7 @@ COMMANDS = {  # name: (arguments with {ck}, {model}, {ds}, {dcp}, {out}; the ren
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("existing", [False, True])
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_clean_removes_what_any_killed_command_left(tmp_path, command, existing):

@@ -20,6 +20,8 @@ from zeroshard.storage import dtype_name
 from checkpoints import odd_model, write_checkpoint
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 PREFIXED = {"module.embed.weight", "module.block.0.attn.weight", "module.block.0.attn.bias",
             "module.block.0.norm.scale", "module.head.weight", "_orig_mod.block.0.tiny"}
 

@@ -52,6 +52,8 @@ from interop_model import (
     zeroshard_resumed_losses,
 )
 
+TIER = "mixed"  # docs/TESTING.md
+
 # tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
 TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
 _TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManager; "
@@ -343,6 +345,7 @@ def _torchtitan(rank, world_size, base):
     return losses[3:]
 
 
+@pytest.mark.slow
 def test_torchtitan_checkpoint_manager(tmp_path):
     import subprocess
 
@@ -400,6 +403,7 @@ def _accelerate(rank, world_size, out, full):
     return losses[3:]
 
 
+@pytest.mark.slow
 @fsdp2_reference
 def test_accelerate_fsdp_save_state(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
@@ -548,6 +552,7 @@ accelerator.save_state(sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_accelerate_save_state_without_fsdp_is_refused_with_the_way_to_its_weights(tmp_path):
     """Accelerate's plain (DDP or one-process) save_state writes model.safetensors and torch's
     optimizer.state_dict() as optimizer.bin, keyed by parameter index in the order the script

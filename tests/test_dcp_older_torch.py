@@ -23,6 +23,8 @@ from zeroshard.interop.imported import materialize
 from distributed import run_ranks
 from interop_model import zeroshard_resumed_losses
 
+TIER = "default"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "dcp"
 VERSIONS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 WITH_OPTIMIZER = ("flattened", "optimizer_key", "sharded")

@@ -27,6 +27,8 @@ from zeroshard.cli import main
 from distributed import run_ranks
 from interop_model import make_model
 
+TIER = "mixed"  # docs/TESTING.md
+
 VOCAB, DIM, HIDDEN = 17, 8, 12  # an odd vocabulary: FSDP pieces of unequal length (TP needs even ones)
 
 
@@ -117,7 +119,7 @@ def _cli(*args: str) -> str:
     return result.output
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp", "fsdp-tp-2d"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp", "fsdp-tp-2d"])
 def parallel_save(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.node.name.replace("/", "_")) / "dcp"
     return request.param, out, run_ranks(_save_parallel, request.param, out=str(out), timeout=240)[0]
@@ -136,6 +138,7 @@ def test_tensor_parallel_pieces_import_bit_exact(tmp_path, parallel_save):
         assert torch.equal(tensors[name].reshape(expected.shape), expected), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel_save", [4], indirect=True, ids=["fsdp-tp-2d"])  # covers the 1-D model too
 def test_export_goes_back_into_the_2d_model(tmp_path, parallel_save):
     world, src, saved = parallel_save

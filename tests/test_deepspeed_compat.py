@@ -18,6 +18,8 @@ import torch
 
 from distributed import free_port
 
+TIER = "slow"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "samples" / "cifar_deepspeed.py"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -13,6 +13,8 @@ import torch
 from distributed import run_ranks
 from interop_model import batch, make_model
 
+TIER = "slow"  # docs/TESTING.md
+
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 CONFIG = {"train_batch_size": 16, "gradient_accumulation_steps": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},

@@ -20,6 +20,8 @@ import pytest
 
 from distributed import free_port
 
+TIER = "slow"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "deepspeed_examples"
 sys.path.insert(0, str(ROOT / "tools"))

@@ -18,6 +18,8 @@ from zeroshard.format import open_checkpoint
 from distributed import run_ranks
 from interop_model import FROZEN
 
+TIER = "default"  # docs/TESTING.md
+
 RELEASES = Path(__file__).parent / "data" / "deepspeed_releases"
 CASES = sorted((release.name, variant.name) for release in RELEASES.iterdir() if release.is_dir()
                for variant in release.iterdir() if (variant / "expected.json").exists())

@@ -12,6 +12,8 @@ import torch
 
 from zeroshard.deepspeed import lr_schedules as ours
 
+TIER = "mixed"  # docs/TESTING.md
+
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS = 25
 
@@ -46,6 +48,7 @@ def _sequence(module, name: str, params: dict) -> list[tuple]:
     return seq
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("name,params", CASES)
 def test_same_sequence_as_deepspeed(name, params):

@@ -20,6 +20,8 @@ from zeroshard.toolkit.verify import verify
 
 from distributed import run_ranks
 
+TIER = "slow"  # docs/TESTING.md
+
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("deepspeed", "accelerate", "transformers")),
     reason="needs DeepSpeed, Accelerate and transformers (installed by tools/dev.sh test, best effort)")

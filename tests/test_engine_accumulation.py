@@ -9,6 +9,8 @@ import torch
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 
 def _train(rank, world_size, stage, override, ckpt):
     import zeroshard

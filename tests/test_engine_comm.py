@@ -24,6 +24,8 @@ from zeroshard.partition import chunk_size
 from distributed import run_ranks
 from test_engine_models import DIM, VOCAB, batches, lm_loss, make_model, micro_batch
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def measure(rank: int, world: int, stages: list[int], dtype: str, awkward: bool) -> list[dict[str, Any]]:
     out = []
@@ -52,7 +54,7 @@ def payload(report: dict, kind: str) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_every_stage_moves_what_the_paper_says(world: int) -> None:
     results = run_ranks(measure, world, timeout=240, stages=[0, 1, 2, 3], dtype="fp32", awkward=False)
     for rank_results in results:  # every rank issues the same collectives

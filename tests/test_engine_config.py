@@ -12,6 +12,8 @@ import torch
 from zeroshard import ZeroConfig
 from zeroshard.engine.config import ConfigError, FP16Config, ZeroOptimizationConfig
 
+TIER = "default"  # docs/TESTING.md
+
 DEEPSPEED_STYLE = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 2,

@@ -25,6 +25,8 @@ from zeroshard.toolkit.verify import verify
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def _adam(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -240,6 +242,7 @@ def mismatches() -> list[dict[str, tuple[str, str, bool]]]:
     return run_ranks(build_mismatches, 3, timeout=180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, words", [
     ("zero_init_stage3", "rank 1 built the model under zero_init(), ranks 0, 2 eagerly"),
     ("zero_init_stage1", "rank 1 built the model under zero_init(), ranks 0, 2 eagerly"),
@@ -261,6 +264,7 @@ def test_ranks_building_different_models_all_get_the_same_named_error(mismatches
             (case, message)
 
 
+@pytest.mark.slow
 def test_ranks_that_built_the_same_model_go_on(mismatches: list[dict]) -> None:
     assert [m["same"][0] for m in mismatches] == ["no error"] * 3
 

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+TIER = "default"  # docs/TESTING.md
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -16,6 +16,8 @@ from zeroshard.partition import chunk_size
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch, train_step
 
+TIER = "mixed"  # docs/TESTING.md
+
 TWO_NODES = {"LOCAL_WORLD_SIZE": "2"}
 
 
@@ -25,6 +27,7 @@ def _engine(hpz: int, stage: int = 3, awkward: bool = True, **extra: Any) -> Any
     return zeroshard.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("gas", [1, 2])
 def test_hpz_trains_to_stage3_losses(gas: int) -> None:
@@ -75,6 +78,7 @@ def ledger(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ledger_shows_the_cross_node_bytes_hpz_saves() -> None:
     """N=4 ranks, L=2 per node, K=2 nodes, Ψ' padded elements, per rank per step; a ring in rank
@@ -116,6 +120,7 @@ def bad_split(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_partition_size_must_divide_the_world() -> None:
     for msg in run_ranks(bad_split, 4, timeout=100):
@@ -153,6 +158,7 @@ def zero_init_run(rank: int, world: int) -> dict[str, list[float]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hpz_under_zero_init_matches_stage3() -> None:
     for r in run_ranks(zero_init_run, 4, timeout=240, env=TWO_NODES):

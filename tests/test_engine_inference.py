@@ -17,6 +17,8 @@ import torch
 from distributed import run_ranks
 from interop_model import batch, make_model, make_optimizer
 
+TIER = "mixed"  # docs/TESTING.md
+
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -173,6 +175,7 @@ def _trl_reference(rank, world_size, which, stage, bf16):
             "stage": engine.zero_optimization_stage(), "returned_none": (optimizer is None, scheduler is None)}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
 @pytest.mark.parametrize("stage,bf16", [(2, False), (3, False), (3, True)])
 def test_trls_reference_model_gives_deepspeeds_outputs(stage, bf16):

@@ -14,6 +14,8 @@ import pytest
 
 from distributed import RankError, RankTimeout, run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def echo(rank: int, world: int, tag: str) -> tuple[int, int, str, str]:
     return rank, world, tag, os.environ["MASTER_PORT"]
@@ -44,6 +46,7 @@ def hang(rank: int, world: int) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_results_come_back_by_rank() -> None:
     results = run_ranks(echo, 3, timeout=60, init_process_group=False, fresh=True, tag="x")
     assert [r[:3] for r in results] == [(0, 3, "x"), (1, 3, "x"), (2, 3, "x")]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "mixed"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import gc, os, socket, sys, tempfile, weakref
@@ -48,6 +50,7 @@ assert counts[-1] <= counts[0], counts
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save", [False, True])
 def test_an_engine_let_go_is_freed_with_its_process_groups(save):
     proc = subprocess.run([sys.executable, "-c", f"SAVE = {save}\n" + SCRIPT], capture_output=True, text=True,

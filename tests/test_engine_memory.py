@@ -32,6 +32,8 @@ from zeroshard.partition import chunk_size
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def measure(rank: int, world: int, stage: int, dtype: str) -> dict[str, Any]:
     model = make_model(frozen=False)  # every parameter trained: the formulas have no frozen term
@@ -66,7 +68,7 @@ def close(got: int, want: int) -> bool:
     return abs(got - want) <= 0.02 * want + 256  # 2%, plus Adam's 4-byte step tensors
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_memory_report_matches_formulas_bf16(world: int) -> None:
     for stage in (0, 1, 2, 3):
         for rank, r in enumerate(run_ranks(measure, world, timeout=120, stage=stage, dtype="bf16")):

@@ -14,6 +14,8 @@ import zeroshard
 from distributed import run_ranks
 from test_engine_models import VOCAB, Block, TinyGPT, batches, train_step
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 class Plain(nn.Module):
     """Only standard modules (reset_parameters replays their init), a tied head, a real buffer."""
@@ -73,6 +75,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,how", [("tiny", "meta"), ("plain", "meta"), ("plain", "zero_init")])
 @pytest.mark.parametrize("stage,world", [(0, 2), (2, 2), (3, 2), (3, 3)])
 def test_meta_init_equals_eager_init(kind: str, how: str, stage: int, world: int) -> None:

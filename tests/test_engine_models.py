@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+TIER = "default"  # docs/TESTING.md
+
 VOCAB, DIM, SEQ = 64, 32, 8
 
 

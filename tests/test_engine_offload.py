@@ -17,6 +17,8 @@ import zeroshard
 from distributed import run_ranks
 from test_engine_models import batches, make_model, train_step
 
+TIER = "default"  # docs/TESTING.md
+
 
 def train(rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
     model = make_model()

@@ -13,6 +13,8 @@ import zeroshard
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
 
+TIER = "default"  # docs/TESTING.md
+
 
 def overlap(rank: int, world: int, stage: int) -> dict[str, Any]:
     model = make_model()

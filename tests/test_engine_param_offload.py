@@ -26,6 +26,8 @@ from checkpoints import read_checkpoint
 from distributed import run_ranks
 from test_engine_models import batches, make_model, micro_batch, train_step
 
+TIER = "mixed"  # docs/TESTING.md
+
 STEPS = 3
 
 
@@ -95,6 +97,7 @@ def train(rank: int, world: int, offload: str | None, opt_offload: bool, nvme: s
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload, world, opt_offload", [
     ("cpu", 2, False), ("cpu", 3, True), ("nvme", 2, True), ("nvme", 3, False)])
 def test_param_offload_trains_like_no_offload(offload: str, world: int, opt_offload: bool, tmp_path: Path) -> None:
@@ -135,6 +138,7 @@ def changing_order(rank: int, world: int, nvme: str | None, buffer_count: int) -
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffer_count", [1, 2])
 def test_nvme_read_ahead_survives_a_changing_unit_order(buffer_count: int, tmp_path: Path) -> None:
     plain = run_ranks(changing_order, 2, timeout=240, nvme=None, buffer_count=0)[0]
@@ -151,6 +155,7 @@ def test_bf16_param_offload_matches_and_holds_bf16(tmp_path: Path) -> None:
     assert cpu["report"]["param_offload_host"] == cpu["owned"] * 2  # the partition is in the compute dtype
 
 
+@pytest.mark.slow
 def test_checkpoints_of_offloaded_runs_load_at_another_world_size(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     nvme = tmp_path / "nvme"

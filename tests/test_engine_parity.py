@@ -30,6 +30,8 @@ from test_engine_models import (
     train_step,
 )
 
+TIER = "mixed"  # docs/TESTING.md
+
 STEPS, GLOBAL_BATCH = 3, 16
 FP32_TOL = 1e-5
 
@@ -89,6 +91,7 @@ def test_stage_matches_single_process_adam(stage: int, adam_reference: dict[str,
     assert results[0]["losses"] == results[1]["losses"]
 
 
+@pytest.mark.slow
 def test_all_stages_match_with_sgd_momentum_on_4_ranks() -> None:
     """SGD with momentum and weight decay; 4 ranks, so `temp` (3 elements) leaves rank 3 empty."""
     ref = reference_run(STEPS, GLOBAL_BATCH, "sgd", clip=0.5)

@@ -11,6 +11,8 @@ import torch
 from zeroshard.engine.config import FP16Config
 from zeroshard.engine.precision import LossScaler, cast_floating
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def test_disabled_scaler_is_inert() -> None:
     s = LossScaler(FP16Config(enabled=False))
@@ -45,6 +47,7 @@ def test_scale_grows_after_a_clean_window_and_respects_the_minimum() -> None:
     assert other.scale == 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_dynamic_scaling_follows_deepspeeds_own_scaler_step_for_step(consecutive, monkeypatch) -> None:

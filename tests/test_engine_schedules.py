@@ -13,6 +13,8 @@ import torch
 
 from distributed import run_ranks
 
+TIER = "slow"  # docs/TESTING.md
+
 
 def _stop_after_one_step(rank, world_size, stage):
     import zeroshard

@@ -12,6 +12,8 @@ import zeroshard
 from distributed import run_ranks
 from test_engine_models import batches, lm_loss, make_model, micro_batch
 
+TIER = "default"  # docs/TESTING.md
+
 
 def _materialized(model: torch.nn.Module) -> dict[str, bool]:
     return {n: p.untyped_storage().size() > 0 for n, p in model.named_parameters()}

@@ -23,6 +23,8 @@ from zeroshard.partition import chunk_size, shard_range
 from distributed import run_ranks
 from test_engine_models import assert_state_close, batches, lm_loss, make_model, micro_batch
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def _engine(stage: int, seed: int = 0) -> Any:
     model = make_model(seed=seed)
@@ -146,6 +148,7 @@ def resume(rank: int, world: int, stage: int, full: dict[str, Any], engine_state
     return {"full": engine.full_state_dict()}
 
 
+@pytest.mark.slow
 def test_shards_saved_on_2_ranks_resume_on_4_ranks_at_another_stage() -> None:
     saved = run_ranks(roundtrip, 2, timeout=120, stage=1)
     full = _assemble([r["snapshot"] for r in saved])

@@ -10,6 +10,8 @@ import pytest
 from zeroshard.engine import grad_strategy as gs
 from zeroshard.engine import param_strategy as ps
 
+TIER = "default"  # docs/TESTING.md
+
 ENGINE = Path(__file__).resolve().parents[1] / "zeroshard" / "engine" / "engine.py"
 
 

@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from zeroshard.estimate import estimate_command, fmt_gb, model_state_bytes, parse_count
 
+TIER = "default"  # docs/TESTING.md
+
 
 def test_reproduces_zero_paper_table_1() -> None:
     # 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.88 GB.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+TIER = "default"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import atexit, datetime, socket, torch.distributed as dist

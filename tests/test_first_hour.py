@@ -19,6 +19,8 @@ from zeroshard.cli import main
 
 from checkpoints import training_state, write_checkpoint
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 def cli(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(main, list(args))
@@ -261,6 +263,7 @@ assert done.returncode == 0 and "over 2 ranks" in done.stdout, done.stderr
 """
 
 
+@pytest.mark.slow
 def test_one_cli_under_torchrun(run_root, tmp_path):
     root, _ = run_root
     proc = _torchrun(tmp_path, "-m", "zeroshard.cli", "reshard", str(root), "wide", "--world", "5", "-q",

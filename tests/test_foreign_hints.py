@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 from zeroshard.cli import main
 
+TIER = "default"  # docs/TESTING.md
+
 DEEPSPEED = Path(__file__).parent / "data" / "deepspeed" / "stage1"
 COMMANDS = [("inspect",), ("verify",), ("consolidate", "{out}/model.safetensors"), ("reshard", "--to", "2", "-o",
                                                                                    "{out}/resharded")]

@@ -18,6 +18,8 @@ from zeroshard.toolkit.verify import verify
 from checkpoints import read_checkpoint, training_state, write_checkpoint
 from test_roundtrip import assert_same
 
+TIER = "default"  # docs/TESTING.md
+
 FORMAT_1_0 = Path(__file__).parent / "data" / "format-1.0"
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+TIER = "mixed"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -36,6 +38,7 @@ def test_dev_sh_gpu_prints_its_plan_and_runs_nothing_without_cuda(tmp_path: Path
         assert not out.exists()  # nothing ran, nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_report_is_made_from_a_real_benchmark_run(tmp_path: Path) -> None:
     """The same bench_train.py the GPU run uses, on 2 CPU ranks, feeds the report's tables."""

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, GAS, CLIP = 64, 8, 12, 3, 2, 0.5
@@ -145,6 +147,7 @@ def test_every_stage_matches_ddp_at_2_ranks(kind: str) -> None:
     _check(kind, 2, [0, 1, 2, 3])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_stage3_matches_ddp_at_3_ranks(kind: str) -> None:
@@ -228,6 +231,7 @@ def _llama_on_meta() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_built_under_zero_init_with_hf_init_weights() -> None:
     two = run_ranks(meta_llama, 2, timeout=240)[0]
@@ -289,6 +293,7 @@ def test_bf16_keeps_the_rotary_frequencies_in_fp32_as_deepspeed_does() -> None:
     assert (cast[0]["cos"] - want.float()).abs().max().item() > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="DeepSpeed is not installed (optional: see docs/DEEPSPEED.md)")
 def test_a_bf16_llamas_first_losses_are_deepspeeds() -> None:

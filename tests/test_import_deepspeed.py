@@ -40,6 +40,8 @@ from interop_model import (
     warmup,
 )
 
+TIER = "mixed"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 
@@ -84,6 +86,7 @@ def _resume(rank: int, world_size: int, path: str, stage: int, steps: list[int],
             "skipped_steps": engine.skipped_steps, "loss_scale": engine.loss_scale}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_from_deepspeed_equals_deepspeed_resume(tmp_path, stage):
     expected = json.loads((FIXTURES / f"stage{stage}" / "expected.json").read_text())
@@ -202,6 +205,7 @@ def test_flat_groups_no_param_group_claims_are_refused(tmp_path):
             group_members("x", shapes, bad)
 
 
+@pytest.mark.slow
 def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):
     """DeepSpeedCPUAdam keeps `step` as a Python int; torch's AdamW needs a 0-d float tensor."""
     pytest.importorskip("deepspeed", reason="unpickling the raw file needs DeepSpeed (tools/dev.sh test installs it)")
@@ -323,6 +327,7 @@ def test_interop_is_toolkit_side():
     assert not {m for m in modules if m.startswith(("zeroshard.engine", "zeroshard.checkpointing"))}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
     """With DeepSpeed installed, regenerate the fixtures with this DeepSpeed and check them too."""
@@ -341,6 +346,7 @@ def test_fresh_deepspeed_checkpoints_import_and_resume(tmp_path):
         assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.skipif(os.environ.get("ZEROSHARD_SLOW_TESTS") != "1",
                     reason="8 min on 2 cores (builds DeepSpeed's CPU Adam op): set ZEROSHARD_SLOW_TESTS=1")
@@ -365,6 +371,7 @@ def test_fresh_deepspeed_variants_import_and_resume(tmp_path):
         assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), variant
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("stage", [1, 2, 3, "offload", "bf16_stage2", "bf16_stage3", "hf/checkpoint-3", "frozen_stage2",
                                    "frozen_stage3"])
@@ -382,6 +389,7 @@ def test_weights_equal_deepspeeds_own_zero_to_fp32(stage):
         assert torch.equal(mine[name].float(), tensor.float()), name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_stage_1_frozen_parameters_come_from_the_module_state_dict():
     """At stage 1 DeepSpeed records frozen parameters nowhere but the module state dict (its own
@@ -463,6 +471,7 @@ def _restore_registered(rank: int, world_size: int, path: str) -> int:
     return registered.seen
 
 
+@pytest.mark.slow
 def test_accelerate_registered_objects_are_carried_and_one_holding_tensors_is_refused(tmp_path):
     """Accelerate saves what a script registered for checkpointing as custom_checkpoint_N.pkl
     beside the tag folder (accelerate.checkpointing.save_custom_state, as save_state calls it):
@@ -541,6 +550,7 @@ def _resume_trainer(rank: int, world_size: int, path: str, trainers_groups: bool
     return _trainer_resume(model, optimizer, path, expected, with_scheduler=trainers_groups)
 
 
+@pytest.mark.slow
 def test_hf_trainer_checkpoint_resumes_with_the_trainers_own_losses(tmp_path):
     """Hugging Face's Trainer driving DeepSpeed ZeRO 2 (tests/data/deepspeed/hf_trainer, written by
     transformers 5.24 itself): its run folder imports with the Trainer's schedule (scheduler.pt)

@@ -22,6 +22,8 @@ from zeroshard.interop.imported import LazyTensor
 from distributed import run_ranks
 from interop_model import batch, make_model, make_optimizer, mean_over_ranks, zeroshard_resumed_losses
 
+TIER = "default"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+TIER = "default"  # docs/TESTING.md
+
 
 def imported_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"

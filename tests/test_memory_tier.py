@@ -35,6 +35,8 @@ from zeroshard.storage import Location
 
 from distributed import free_port, run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 # ---- without launches ---------------------------------------------------------------------------
 def test_policy_defaults_validation_and_what_is_due(monkeypatch):
@@ -250,6 +252,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOST_ENV = {"ZEROSHARD_HOST_ID": "unset"}  # restored after each call
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_recover_from_own_memory_from_a_peer_copy_else_from_durable(tmp_path):
     mem, durable = tmp_path / "shm", tmp_path / "durable"
@@ -504,6 +507,7 @@ def _losses(out: Path) -> dict[int, dict[int, str]]:
     return {int(p.stem[4:]): dict(map(json.loads, p.read_text().splitlines())) for p in out.glob("rank*.jsonl")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_memory_save_torn_by_a_killed_node_is_never_chosen(tmp_path):
     ref_out, ref_agents = _launch(tmp_path, "reference", [str(tmp_path / "ref-shm"), "6", "0"])  # runs beside

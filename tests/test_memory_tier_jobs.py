@@ -20,6 +20,8 @@ from zeroshard.errors import CheckpointSaveError, ConfigError
 
 from distributed import RankError, run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 
 # ---- without launches ---------------------------------------------------------------------------
 def test_a_memory_tier_that_cannot_name_its_job_is_refused(monkeypatch):
@@ -170,6 +172,7 @@ def in_racks(rank: int, world: int, mem: str) -> list[str]:
         del os.environ["ZEROSHARD_DOMAIN"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_copies_land_in_another_rack_when_launched_through_a_checkpointer(tmp_path):
     held = run_ranks(in_racks, 3, timeout=200, env=HOST_ENV, mem=str(tmp_path))

@@ -30,6 +30,8 @@ from zeroshard.storage.owner import host_id
 
 from distributed import free_port
 
+TIER = "mixed"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -291,6 +293,7 @@ def _verify(ckpt: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 # Stage x save mode, split between this test and the next so that each of the four pairs runs
 # once (each case is a 2-node job killed and relaunched three times: ~75-100 s of CI each).
@@ -331,6 +334,7 @@ def test_a_lost_node_without_rank_0_leaves_the_last_checkpoint_and_the_job_resum
     assert (ckpt / "latest").read_text().strip() == "step-00000006"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage, async_save, committed, interrupted",
                          [(1, "1", "step-00000002", "step-00000004"), (3, "0", "step-00000004", "step-00000006")])

@@ -17,6 +17,8 @@ from zeroshard.toolkit.verify import verify
 from test_bad_input import flip_byte_in
 from test_roundtrip import assert_same
 
+TIER = "default"  # docs/TESTING.md
+
 HEADER = b"HDR-"
 FILE = HEADER + bytes(range(256)) * 4 + b"TAIL"  # regions [4, 516) and [516, 1028), tail at 1028
 REGIONS = [(4, 516), (516, 1028)]

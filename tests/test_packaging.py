@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "slow"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = ("zeroshard", "__editable__", "_zeroshard", "s3fs")  # what the fresh venv must not see from here
 

@@ -2,6 +2,8 @@ import pytest
 
 from zeroshard.partition import Piece, check_tiling, chunk_size, pieces, shard_range, shard_ranges
 
+TIER = "default"  # docs/TESTING.md
+
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 5, 7, 16, 17, 1000, 1001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 33])

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 

@@ -23,6 +23,8 @@ from zeroshard.toolkit.shard import shard
 from distributed import run_ranks
 from interop_model import make_model
 
+TIER = "mixed"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 
 
@@ -92,6 +94,7 @@ def test_an_hf_folder_of_pickles_and_its_index_shard_bit_exact(tmp_path):
     assert code == 1 and "the index and its files disagree" in err and not (tmp_path / "bad").exists(), err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("max_shard_size", ["5GB", "0.0002MB"])
 def test_deepspeeds_zero_to_fp32_output_shards_bit_exact(tmp_path, max_shard_size):

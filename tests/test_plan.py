@@ -23,6 +23,8 @@ from zeroshard.toolkit.plan import make_plan
 
 from checkpoints import read_checkpoint, write_checkpoint
 
+TIER = "default"  # docs/TESTING.md
+
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "U8": torch.uint8}
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "slow"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 sys.path.insert(0, str(ROOT / "tools"))

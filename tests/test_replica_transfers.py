@@ -10,6 +10,8 @@ import torch
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 CHUNK = 1000  # bytes: files of a few chunks, a ragged last one, exercise both receive buffers
 
 

@@ -15,6 +15,8 @@ from zeroshard.toolkit.verify import verify
 
 from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
 
+TIER = "default"  # docs/TESTING.md
+
 
 def assert_same(a: dict, b: dict):
     assert sorted(a) == sorted(b)

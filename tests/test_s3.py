@@ -15,6 +15,8 @@ from zeroshard.toolkit.verify import verify
 from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
 from test_roundtrip import assert_same
 
+TIER = "default"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 
 

@@ -19,6 +19,8 @@ from zeroshard.storage import Location
 from checkpoints import odd_model, read_checkpoint, save_model, training_state, write_checkpoint
 from test_roundtrip import assert_same
 
+TIER = "default"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 
 

@@ -11,6 +11,8 @@ from zeroshard.storage import AtomicWriter, Location
 from zeroshard.storage.read_ahead import read_ranges
 from zeroshard.storage.remote_io import MiB, RemoteIO, split_options
 
+TIER = "default"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 
 BLOCK = 64 * 1024

@@ -23,6 +23,8 @@ from zeroshard.cli import main
 from checkpoints import training_state, write_checkpoint
 from s3_fault_proxy import FaultProxy
 
+TIER = "mixed"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 
 
@@ -80,6 +82,7 @@ def one_line_failure(result, *needles):
         assert needle in result.output, result.output
 
 
+@pytest.mark.slow
 def test_dropped_upload_keeps_old_output_and_clean_aborts_the_pending_upload(proxy, old_output, s3_client):
     ckpt, out, bucket, before = old_output
 
@@ -108,6 +111,7 @@ def test_dropped_upload_keeps_old_output_and_clean_aborts_the_pending_upload(pro
     assert objects(s3_client, bucket, "out/") == before
 
 
+@pytest.mark.slow
 def test_the_next_run_into_the_output_aborts_a_dead_runs_pending_uploads(proxy, old_output, s3_client):
     ckpt, out, bucket, before = old_output
     proxy.rule = lambda m, p, q: (("drop", 100) if (m == "PUT" and "partNumber=" in q)
@@ -124,6 +128,7 @@ def test_the_next_run_into_the_output_aborts_a_dead_runs_pending_uploads(proxy, 
     assert CliRunner().invoke(main, ["verify", "-q", out, "-S", "skip_instance_cache=true"]).exit_code == 0
 
 
+@pytest.mark.slow
 def test_failing_read_mid_overwrite_leaves_nothing_behind(tmp_path, proxy, old_output, s3_client, s3_bucket):
     ckpt, out, bucket, before = old_output
     # the input on S3 too, its last rank file unreadable (HTTP 500) once the copy is under way
@@ -139,6 +144,7 @@ def test_failing_read_mid_overwrite_leaves_nothing_behind(tmp_path, proxy, old_o
     assert CliRunner().invoke(main, ["verify", "-q", out]).exit_code == 0
 
 
+@pytest.mark.slow
 def test_failing_commit_keeps_the_new_output_recoverable(proxy, old_output, s3_client):
     """The fault hits after the swap began (the old manifest is gone): the new output is then
     whole across the stage and the folder, clean keeps the stage, and moving it up recovers."""
@@ -166,6 +172,8 @@ def reshard_over(ckpt, out: str, *options: str) -> list[str]:
     return ["reshard", "-q", "--overwrite", str(ckpt), "--to", "3", "-o", out, *options]
 
 
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_connections_dropping_mid_upload_fail_within_the_budget_and_leave_nothing(proxy, old_output, s3_client):
     """Every part upload's connection dies: retried for the budget, then one line; the upload is
     aborted and the claim released, so a plain re-run works."""
@@ -188,6 +196,8 @@ def test_connections_dropping_mid_upload_fail_within_the_budget_and_leave_nothin
     assert pending(s3_client, bucket) == []
 
 
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_network_gone_mid_upload_fails_within_the_budget_and_says_what_is_left(proxy, old_output, s3_client):
     """From the first part on, every connection dies: nothing can be cleaned up remotely. The run
     (a process of its own, so that its claim's owner is gone after it) fails within the budget
@@ -219,6 +229,8 @@ def test_network_gone_mid_upload_fails_within_the_budget_and_says_what_is_left(p
     assert objects(s3_client, bucket, "out/") == before
 
 
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_a_server_that_never_answers_is_given_up_on_within_the_budget(proxy, old_output, s3_client):
     """Part uploads are received but never answered: each attempt ends at the read timeout (no
     longer than the budget) or at the budget's end, never at the network's own minutes-long limits."""
@@ -276,6 +288,7 @@ def test_retry_budget_values():
     assert split_options({})[0].retry_s == 60.0
 
 
+@pytest.mark.slow
 def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_client):
     """The claim's conditional PUT lands but its answer is lost: the retry is refused (the claim
     exists), and the claim found there is recognised as this run's own, not another writer's."""
@@ -295,6 +308,7 @@ def test_a_claim_whose_answer_was_lost_is_still_ours(proxy, old_output, s3_clien
     assert "out/.zeroshard-claim" not in objects(s3_client, bucket, "out/")
 
 
+@pytest.mark.slow
 def test_a_failed_fresh_output_leaves_no_files_behind(proxy, old_output, s3_client):
     """A new S3 output is written in place (no stage to drop): when one rank file's upload fails,
     the rank files that did complete are removed with the claim, rather than left without a

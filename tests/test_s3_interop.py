@@ -19,6 +19,8 @@ from zeroshard.interop.deepspeed_ckpt import read_deepspeed
 from checkpoints import read_checkpoint
 from interop_model import batch, make_model, make_optimizer
 
+TIER = "default"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 

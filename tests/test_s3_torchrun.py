@@ -19,6 +19,8 @@ from distributed import free_port
 from test_bad_input import flip_byte_in
 from test_roundtrip import assert_same
 
+TIER = "slow"  # docs/TESTING.md
+
 pytestmark = pytest.mark.s3
 
 

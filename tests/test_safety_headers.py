@@ -11,6 +11,8 @@ from zeroshard.cli import main
 from zeroshard.errors import CheckpointError
 from zeroshard.storage.safetensors_header import parse_header
 
+TIER = "default"  # docs/TESTING.md
+
 
 def header_file(path, header: bytes, data: bytes = b"", length: int | None = None) -> None:
     path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)

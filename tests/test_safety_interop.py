@@ -32,6 +32,8 @@ from zeroshard.storage.claim import take_claim
 from interop_model import make_model, make_optimizer
 from test_bad_input import _cli_with_file_size_limit
 
+TIER = "mixed"  # docs/TESTING.md
+
 FIXTURES = Path(__file__).parent / "data" / "deepspeed"
 TAG = "global_step3"
 pytestmark = pytest.mark.timeout(120)
@@ -354,6 +356,7 @@ def test_deepspeed_checkpoint_under_a_folder_with_glob_characters_imports(tmp_pa
         assert cli("verify", str(out))[0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value", [("global_steps", "two"), ("skipped_steps", 1.5),
                                           ("param_shapes", "nope")])
 def test_deepspeed_model_field_of_the_wrong_type_is_one_line(tmp_path, field, value):
@@ -362,6 +365,7 @@ def test_deepspeed_model_field_of_the_wrong_type_is_one_line(tmp_path, field, va
     _refused_import(root, tmp_path, MODEL, field)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("shape", [[-4, 3], [10**12, 10**12], ["two"]], ids=["negative", "absurd", "not-int"])
 def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp_path, shape, stage):
@@ -376,6 +380,7 @@ def test_deepspeed_absurd_or_negative_param_shapes_never_reach_the_allocator(tmp
     _refused_import(root, tmp_path, "param_shapes")  # the model file's, or the optimizer files' they exceed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("shape", [[-4, 3], [10**12, 10**12], ["two"], "buffer"],
                          ids=["negative", "absurd", "not-int", "a-buffer-name"])
@@ -395,6 +400,7 @@ def test_deepspeed_hostile_frozen_parameter_shapes_are_one_line(tmp_path, shape,
     _refused_import(root, tmp_path, model, *needles)
 
 
+@pytest.mark.slow
 def test_deepspeed_client_state_holding_tensors_is_refused_other_non_json_is_noted(tmp_path):
     """An EMA copy in client_state is model data: refused, never imported without it. Non-JSON
     data that is no tensor (bytes) is left out with a note, and a 0-d tensor is a number."""
@@ -414,6 +420,7 @@ def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
     _refused_import(root, tmp_path, MODEL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value", [("zero_stage", "two"), ("partition_count", [3])])
 def test_deepspeed_optimizer_field_wrong_is_one_line(tmp_path, field, value):
     root = ds_copy(tmp_path)
@@ -435,6 +442,7 @@ def test_deepspeed_missing_or_extra_rank_files_are_refused(tmp_path):
     _refused_import(root, tmp_path, "ranks")
 
 
+@pytest.mark.slow
 def test_deepspeed_pickle_naming_a_stand_in_module_function_runs_nothing(tmp_path):
     """A pickle reaching for a callable that is not on the allowlist, placed where DeepSpeed's own
     class names are expected: refused before it is called."""
@@ -459,6 +467,7 @@ def _evil(side: Path):
     return Evil()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [10**30, float("nan"), float("inf")], ids=["absurd", "nan", "inf"])
 def test_deepspeed_offload_int_step_out_of_range_is_one_line(tmp_path, step):
     root = ds_copy(tmp_path, "offload")
@@ -468,6 +477,7 @@ def test_deepspeed_offload_int_step_out_of_range_is_one_line(tmp_path, step):
     _refused_import(root, tmp_path, "zero_pp_rank_0", "'step'")
 
 
+@pytest.mark.slow
 def test_deepspeed_bias_correction_false_is_refused(tmp_path):
     root = ds_copy(tmp_path, "offload")
     for rank in (0, 1):
@@ -492,6 +502,7 @@ def test_deepspeed_bf16_missing_extra_or_mixed_rank_files_are_refused(tmp_path):
     _refused_import(root, tmp_path, "bf16_zero_pp_rank_* and zero_pp_rank_*")
 
 
+@pytest.mark.slow
 def test_deepspeed_bf16_ranks_disagreeing_on_partition_count_are_refused(tmp_path):
     root = ds_copy(tmp_path, "bf16")
     resave(root / TAG / BF16.format(1), lambda o: o["optimizer_state_dict"].__setitem__("partition_count", [3]))
@@ -574,6 +585,7 @@ def _lambda_lr_state(last_epoch: int) -> dict:
     return scheduler.state_dict()
 
 
+@pytest.mark.slow
 def test_deepspeed_schedulers_beside_the_tag_folder_are_carried(tmp_path):
     """The Trainer's scheduler.pt (its own LambdaLR, not DeepSpeed's) is carried as `lr_scheduler`;
     with DeepSpeed holding one too, the files' come after it: lr_scheduler_1, lr_scheduler_2."""
@@ -629,6 +641,7 @@ def test_deepspeed_hf_trainer_odd_rng_streams_are_left_with_a_note(tmp_path, fie
     assert manifest.extra["stateful"]["lr_scheduler"]["last_epoch"] == 3  # the rest still carried
 
 
+@pytest.mark.slow
 def test_deepspeed_hf_trainer_state_clashing_with_a_client_key_is_refused(tmp_path):
     run = ds_copy(tmp_path, "hf", "run")
     resave(run / "checkpoint-3" / TAG / MODEL, lambda m: m.__setitem__("hf_trainer_state", {"mine": 1}))
@@ -642,6 +655,7 @@ def _uni_edit(root: Path, rel: str, value) -> None:
     torch.save(value, root / UNI / rel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, needles", [
     ("short-fp32", ("fp32.pt", "elements")),
     ("no-fp32", ("fp32.pt", "missing")),

@@ -18,6 +18,8 @@ from zeroshard.cli import main
 from checkpoints import save_model, training_state, write_checkpoint
 from test_bad_input import _cli_with_file_size_limit
 
+TIER = "default"  # docs/TESTING.md
+
 RANK0 = "rank-00000-of-00003.safetensors"
 
 

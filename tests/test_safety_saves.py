@@ -20,6 +20,8 @@ from zeroshard.storage.claim import CLAIM_NAME, STALE_CLAIM_S, ClaimError, take_
 from checkpoints import training_state, write_checkpoint
 from distributed import run_ranks
 
+TIER = "mixed"  # docs/TESTING.md
+
 TAG = "step-00000001"
 
 
@@ -45,6 +47,7 @@ def _race_claims(url: str, contenders: int = 4) -> list[str]:
     return outcomes
 
 
+@pytest.mark.slow
 def test_of_racing_writers_exactly_one_claims_the_folder(tmp_path):
     for round_ in range(3):
         outcomes = _race_claims(str(tmp_path / f"out{round_}"))

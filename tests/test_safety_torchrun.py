@@ -17,6 +17,8 @@ from checkpoints import read_checkpoint, training_state, write_checkpoint
 from distributed import free_port, run_ranks
 from test_roundtrip import assert_same
 
+TIER = "slow"  # docs/TESTING.md
+
 # Each process takes, of every argument written "a|b", the alternative at its RANK.
 WRAPPER = """
 import os, sys

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+TIER = "slow"  # docs/TESTING.md
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 

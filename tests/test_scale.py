@@ -19,6 +19,8 @@ from checkpoints import read_checkpoint, training_state, write_checkpoint
 from test_bad_input import flip_byte_in
 from test_roundtrip import assert_same
 
+TIER = "slow"  # docs/TESTING.md
+
 
 def leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.rglob(".zeroshard-tmp-*")]

@@ -13,6 +13,8 @@ from zeroshard.toolkit.verify import verify
 
 from checkpoints import training_state, write_checkpoint
 
+TIER = "default"  # docs/TESTING.md
+
 RANK1 = "rank-00001-of-00002.safetensors"
 
 

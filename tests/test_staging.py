@@ -20,6 +20,8 @@ from zeroshard.storage.stream_writer import SMALL_WRITE_BYTES
 from checkpoints import training_state, write_checkpoint
 from test_bad_input import flip_byte_in
 
+TIER = "default"  # docs/TESTING.md
+
 
 def test_windowed_reads_give_read_flats_bytes_for_any_range(tmp_path):
     specs, data = training_state()

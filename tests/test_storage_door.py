@@ -12,6 +12,8 @@ import pytest
 from zeroshard.storage.leftovers import find_leftovers
 from zeroshard.storage.location import Location, is_temp_name
 
+TIER = "default"  # docs/TESTING.md
+
 
 def test_temp_names_are_fresh_hidden_and_found_as_leftovers_of_a_live_writer(tmp_path):
     loc = Location(tmp_path)

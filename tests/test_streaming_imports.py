@@ -14,6 +14,8 @@ import torch
 from zeroshard.interop import torch_zip
 from zeroshard.interop.imported import LazyTensor, materialize
 
+TIER = "default"  # docs/TESTING.md
+
 
 def test_dcp_range_reads_only_its_bytes(tmp_path, bytes_read):
     import torch.distributed.checkpoint as dcp

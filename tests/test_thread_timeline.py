@@ -7,6 +7,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+TIER = "default"  # docs/TESTING.md
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from thread_timeline import ThreadTimeline  # noqa: E402
 
@@ -15,6 +19,7 @@ def busy_reading(seconds: float) -> None:
     time.sleep(seconds)  # a blocking call: the sample shows this function, its caller
 
 
+@pytest.mark.exclusive
 def test_each_thread_gets_its_own_labels_and_segments():
     with ThreadTimeline(interval=0.001) as timeline:
         worker = threading.Thread(target=busy_reading, args=(0.15,), name="reader")

@@ -13,6 +13,8 @@ from click.testing import CliRunner
 import zeroshard
 from zeroshard.torch_version import TORCH_FLOOR, require_supported_torch, torch_release
 
+TIER = "default"  # docs/TESTING.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,8 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop import torch_zip
 from zeroshard.interop.imported import LazyTensor, materialize
 
+TIER = "default"  # docs/TESTING.md
+
 
 def _same(mine, theirs, where="") -> None:
     mine = materialize(mine)

@@ -26,6 +26,8 @@ from zeroshard.storage.owner import owner_tag
 
 from distributed import run_ranks
 
+TIER = "default"  # docs/TESTING.md
+
 RANK_FILES_OF_2 = ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
 
 

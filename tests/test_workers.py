@@ -23,6 +23,8 @@ from checkpoints import read_checkpoint
 from test_bad_input import flip_byte_in
 from test_roundtrip import assert_same
 
+TIER = "default"  # docs/TESTING.md
+
 
 def test_pool_kind_follows_file_size():
     with workers.worker_pool(2, [workers.BIG_FILE_BYTES] * 3) as pool:

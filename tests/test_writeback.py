@@ -19,6 +19,8 @@ from zeroshard.toolkit.reshard import reshard
 
 from checkpoints import read_checkpoint, training_state, write_checkpoint
 
+TIER = "default"  # docs/TESTING.md
+
 
 @pytest.fixture
 def kicks(monkeypatch):

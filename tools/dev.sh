@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The two commands of the README contract, each doing its own set-up:
 #   tools/dev.sh demo   - the main job (train with ZeRO on CPU ranks, checkpoint, reshard, consolidate)
-#   tools/dev.sh test   - the lint (ruff) and the test suite; with arguments, only pytest with them
+#   tools/dev.sh test   - the lint (ruff) and the default tier of the tests (docs/TESTING.md), on both
+#                         cores; `test --all` both tiers, with real DeepSpeed, Accelerate and torchtitan
+#                         set up first; `test --slow` the slow tier alone; with other arguments, only
+#                         pytest with them (no tier filter)
+#   tools/dev.sh extras - set up what the slow tier compares with: DeepSpeed, Accelerate, torchtitan
 #   tools/dev.sh lint   - ruff alone (pass --fix to apply its safe fixes)
 #   tools/dev.sh gpu    - on a CUDA machine: GPU tests and benchmarks, one report (tools/gpu_suite.py);
 #                         elsewhere, or with --dry-run: print what it would run and exit 0
 #   tools/dev.sh floor  - the oldest torch pyproject.toml admits (FLOOR_TORCH), in .venv-torch-floor: the
-#                         tests most tied to torch's APIs and the demo; with arguments, pytest with them
+#                         tests most tied to torch's APIs and the demo; with arguments, pytest with them.
+#                         `floor-setup` builds that venv only (CI starts it beside the tests); a failed
+#                         install fails the command
 # Set-up: a virtual environment in .venv with torch pinned (tools/constraints.txt) and
 # zeroshard installed editable with its test extra. Re-runs are quick: a stamp file remembers
 # which pyproject/constraints the environment was built from.
@@ -31,8 +37,9 @@ setup() {
     echo "$want" > "$venv/.zeroshard-stamp"
 }
 
-# The tests that compare with real DeepSpeed (docs/DEEPSPEED.md) run when it is installed; its
-# build imports torch, so it needs --no-build-isolation. Best effort: without it they skip.
+# The slow tier compares with real DeepSpeed (docs/DEEPSPEED.md), Accelerate and torchtitan; the
+# default tier needs none of them. DeepSpeed's build imports torch, so it needs --no-build-isolation.
+# Best effort: a package that cannot be installed makes its tests skip, with the reason printed.
 test_extras() {
     local quiet_pip="is ignored: it is neither a file nor a directory"
     if ! "$py" -c "import deepspeed" >/dev/null 2>&1 && [ ! -f "$venv/.deepspeed-failed" ]; then
@@ -99,27 +106,43 @@ FLOOR_TESTS=(tests/test_engine_parity.py tests/test_engine_stage3.py tests/test_
              tests/test_engine_accumulation.py tests/test_engine_lifetime.py tests/test_buffers.py
              tests/test_checkpoint_engine.py tests/test_checkpointer.py tests/test_interop_dcp.py
              tests/test_dcp_older_torch.py tests/test_import_deepspeed.py)
-floor() {
-    local fvenv="$root/.venv-torch-floor" fpy="$root/.venv-torch-floor/bin/python" pins want
-    want="$FLOOR_TORCH $(sha256sum < pyproject.toml | cut -c1-16)"  # rebuilt when either changes
-    if [ "$(cat "$fvenv/.zeroshard-floor" 2>/dev/null)" != "$want" ]; then
-        echo "== set-up: $fvenv with torch $FLOOR_TORCH (PyPI's CUDA build, run on the CPU: about 5.5 GB)"
-        rm -rf "$fvenv" && python3 -m venv "$fvenv"
-        pins=$(mktemp) && grep -v '^torch==' tools/constraints.txt > "$pins"
-        if ! timeout 1200 "$fpy" -m pip install -q "torch==$FLOOR_TORCH" 2> >(grep -v "is ignored: it is neither" >&2) ||
-           ! timeout 600 "$fpy" -m pip install -q -c "$pins" -e ".[test]" 2> >(grep -v "is ignored: it is neither" >&2); then
-            echo "== torch $FLOOR_TORCH could not be installed here: THE FLOOR CHECK DID NOT RUN" >&2
-            rm -rf "$fvenv" "$pins"; return 0
-        fi
-        rm -f "$pins"
-        echo "$want" > "$fvenv/.zeroshard-floor"
+fvenv="$root/.venv-torch-floor"
+fpy="$fvenv/bin/python"
+floor_setup() {
+    local pins want
+    want="$FLOOR_TORCH $(cat pyproject.toml tools/constraints.txt | sha256sum | cut -c1-16)"  # rebuilt when any changes
+    if [ "$(cat "$fvenv/.zeroshard-floor" 2>/dev/null)" = "$want" ]; then return 0; fi
+    echo "== set-up: $fvenv with torch $FLOOR_TORCH (PyPI's CUDA build, run on the CPU: about 5.5 GB)"
+    rm -rf "$fvenv" && python3 -m venv "$fvenv"
+    pins=$(mktemp) && grep -v '^torch==' tools/constraints.txt > "$pins"
+    # A floor that cannot be installed is a failed check, not a printed line (the machine reaches PyPI).
+    if ! timeout 1200 "$fpy" -m pip install -q "torch==$FLOOR_TORCH" 2> >(grep -v "is ignored: it is neither" >&2) ||
+       ! timeout 600 "$fpy" -m pip install -q -c "$pins" -e ".[test]" 2> >(grep -v "is ignored: it is neither" >&2); then
+        echo "== torch $FLOOR_TORCH could not be installed: the floor check cannot run" >&2
+        rm -rf "$fvenv" "$pins"; return 1
     fi
+    rm -f "$pins"
+    echo "$want" > "$fvenv/.zeroshard-floor"
+}
+floor() {
+    floor_setup
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     "$fpy" -c "import torch, zeroshard; assert torch.__version__.startswith('$FLOOR_TORCH'), torch.__version__"
     if [ $# -gt 0 ]; then exec "$fpy" -m pytest -q "$@"; fi
-    echo "== floor: torch $FLOOR_TORCH, ${#FLOOR_TESTS[@]} test files and the demo"
-    "$fpy" -m pytest -q -p no:cacheprovider "${FLOOR_TESTS[@]}"
+    echo "== floor: torch $FLOOR_TORCH, ${#FLOOR_TESTS[@]} test files (both tiers, both cores) and the demo"
+    "$fpy" -m pytest -q -p no:cacheprovider -n 2 "${FLOOR_TESTS[@]}"
     "$fpy" tools/demo.py
+}
+
+# One tier (a pytest -m expression) on both cores, then its `exclusive` tests one at a time: those
+# measure the machine's time or memory and must have it to themselves (docs/TESTING.md).
+run_tier() {
+    local tier=$1 rc=0
+    shift
+    echo "== tests: -m '$tier' on 2 workers, then its exclusive tests alone"
+    "$py" -m pytest -q -rs -p no:cacheprovider -n 2 -m "($tier) and not exclusive" "$@" || rc=$?
+    "$py" -m pytest -q -rs -p no:cacheprovider -m "($tier) and exclusive" "$@" || { local r=$?; [ $r -eq 5 ] || rc=$r; }
+    return $rc
 }
 
 cmd=${1:-}
@@ -127,12 +150,21 @@ shift || true
 case "$cmd" in
     setup) setup ;;
     demo) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$py" tools/demo.py "$@" ;;
-    # With no arguments (as CI runs it) the lint comes first: ruff, pinned in the test extra.
-    test) setup; test_extras; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-          if [ $# -eq 0 ]; then echo "== lint: ruff check"; "$venv/bin/ruff" check .; fi
-          exec "$py" -m pytest -q "$@" ;;
+    # The README's command: the lint (ruff, pinned in the test extra), then the default tier. --all
+    # adds the slow tier and what it compares with; --slow runs the slow tier alone (CI's second step).
+    test) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+          case "${1:-}" in
+              "") echo "== lint: ruff check"; "$venv/bin/ruff" check .; run_tier "not slow" ;;
+              --all) shift; test_extras; echo "== lint: ruff check"; "$venv/bin/ruff" check .
+                     run_tier "not slow or slow" "$@" ;;
+              --slow) shift; test_extras; run_tier "slow" "$@" ;;
+              *) exec "$py" -m pytest -q "$@" ;;
+          esac ;;
+    extras) setup; test_extras ;;
     lint) setup; exec "$venv/bin/ruff" check "$@" . ;;
     gpu) gpu "$@" ;;
     floor) floor "$@" ;;
-    *) echo "usage: tools/dev.sh {demo|test|lint|setup|gpu|floor} [args...]" >&2; exit 2 ;;
+    floor-setup) floor_setup ;;
+    *) echo "usage: tools/dev.sh {demo|test [--all|--slow]|lint|setup|extras|gpu|floor|floor-setup} [args...]" >&2
+       exit 2 ;;
 esac
