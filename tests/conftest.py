@@ -93,7 +93,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     global _deepspeed_op_build
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed") is None or not any("deepspeed" in item.nodeid for item in session.items):
+    # Only slow tests run DeepSpeed live (docs/TESTING.md), so the default tier never waits for the build.
+    if importlib.util.find_spec("deepspeed") is None or not any(
+            "deepspeed" in item.nodeid and item.get_closest_marker("slow") for item in session.items):
         return
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     _deepspeed_op_build = subprocess.Popen([sys.executable, "-c", _BUILD_DEEPSPEED_OP], env=env,

@@ -54,7 +54,7 @@ from interop_model import (
 
 TIER = "mixed"  # docs/TESTING.md
 
-# tools/dev.sh test installs torchtitan without its heavy dependencies in a folder of its own
+# tools/dev.sh test --all installs torchtitan without its heavy dependencies in a folder of its own
 TORCHTITAN = os.environ.get("ZEROSHARD_TORCHTITAN_PATH", os.path.join(sys.prefix, "torchtitan-0.3.0"))
 _TITAN_IMPORTS = ("from torchtitan.components.checkpoint import CheckpointManager; "
                   "from torchtitan.components.optimizer import OptimizersContainer")
@@ -352,7 +352,7 @@ def test_torchtitan_checkpoint_manager(tmp_path):
     probe = subprocess.run([sys.executable, "-c", _TITAN_IMPORTS], env={**os.environ, "PYTHONPATH": TORCHTITAN},
                            capture_output=True, timeout=120)
     if probe.returncode:
-        pytest.skip(f"torchtitan 0.3.0 does not import from {TORCHTITAN} (tools/dev.sh test installs it)")
+        pytest.skip(f"torchtitan 0.3.0 does not import from {TORCHTITAN} (tools/dev.sh test --all installs it)")
     titan_next = run_ranks(_torchtitan, 2, base=str(tmp_path), timeout=300, fresh=True)[0]
     step3 = tmp_path / "ckpt" / "step-3"
     imp = read_dcp(str(step3))
@@ -406,7 +406,7 @@ def _accelerate(rank, world_size, out, full):
 @pytest.mark.slow
 @fsdp2_reference
 def test_accelerate_fsdp_save_state(tmp_path):
-    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test --all installs it)")
     out, full = tmp_path / "save_state", tmp_path / "full_state"
     acc_next = run_ranks(_accelerate, 2, out=str(out), full=str(full), timeout=300, fresh=True)[0]
     assert (out / "pytorch_model_fsdp_0" / ".metadata").exists() and (out / "optimizer_0" / ".metadata").exists()
@@ -557,7 +557,7 @@ def test_accelerate_save_state_without_fsdp_is_refused_with_the_way_to_its_weigh
     """Accelerate's plain (DDP or one-process) save_state writes model.safetensors and torch's
     optimizer.state_dict() as optimizer.bin, keyed by parameter index in the order the script
     built its groups, which no file records: refused by name, pointing at `shard`, which works."""
-    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test installs it)")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (tools/dev.sh test --all installs it)")
     out = tmp_path / "state"
     subprocess.run([sys.executable, "-c", _ACCELERATE_DDP, str(out)], check=True, timeout=120,
                    env=dict(os.environ, ACCELERATE_USE_CPU="1"), capture_output=True)

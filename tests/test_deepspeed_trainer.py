@@ -24,7 +24,7 @@ TIER = "slow"  # docs/TESTING.md
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("deepspeed", "accelerate", "transformers")),
-    reason="needs DeepSpeed, Accelerate and transformers (installed by tools/dev.sh test, best effort)")
+    reason="needs DeepSpeed, Accelerate and transformers (installed by tools/dev.sh test --all, best effort)")
 
 
 class _Data(torch.utils.data.Dataset):

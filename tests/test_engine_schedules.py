@@ -96,7 +96,7 @@ def _accelerate(rank, world_size, which, stage, gas, where, phase):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("accelerate") is None,
-                    reason="needs DeepSpeed and Accelerate (installed by tools/dev.sh test, best effort)")
+                    reason="needs DeepSpeed and Accelerate (installed by tools/dev.sh test --all, best effort)")
 @pytest.mark.parametrize("stage,gas", [(2, 1), (1, 2), (3, 2)])
 def test_accelerate_with_a_deepspeed_plugin_gives_deepspeeds_losses_and_resumes(tmp_path, stage, gas):
     """With accumulation Accelerate sets the boundary before each backward and calls the engine's

@@ -208,7 +208,7 @@ def test_flat_groups_no_param_group_claims_are_refused(tmp_path):
 @pytest.mark.slow
 def test_offload_int_step_is_written_as_torchs_tensor_step(tmp_path):
     """DeepSpeedCPUAdam keeps `step` as a Python int; torch's AdamW needs a 0-d float tensor."""
-    pytest.importorskip("deepspeed", reason="unpickling the raw file needs DeepSpeed (tools/dev.sh test installs it)")
+    pytest.importorskip("deepspeed", reason="unpickling the raw file needs DeepSpeed (dev.sh test --all installs it)")
     raw = torch.load(FIXTURES / "offload" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                      weights_only=False)
     assert type(raw["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]) is int  # the real form

@@ -138,7 +138,7 @@ def test_resume_reproduces_torchtitan_losses(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import torchtitan_model as "
                             "tm; tm.make_model(0)"], cwd=Path(__file__).parents[1], capture_output=True, timeout=180)
     if probe.returncode:
-        reason = f"torchtitan {tm.VERSION} does not import from {tm.TORCHTITAN} (tools/dev.sh test installs it)"
+        reason = f"torchtitan {tm.VERSION} does not import from {tm.TORCHTITAN} (tools/dev.sh test --all installs it)"
         print(reason)
         pytest.skip(reason)
     out = tmp_path / "zs"

@@ -77,7 +77,7 @@ def ds_copy(tmp_path: Path, stage: int | str = 2, name: str = "ds") -> Path:
 
 def resave(path: Path, edit) -> None:
     """Load a real DeepSpeed file (trusted: our own fixture, DeepSpeed installed), edit, save back."""
-    pytest.importorskip("deepspeed", reason="editing a DeepSpeed pickle needs DeepSpeed (tools/dev.sh test has it)")
+    pytest.importorskip("deepspeed", reason="editing a DeepSpeed pickle needs DeepSpeed (dev.sh test --all has it)")
     obj = torch.load(path, weights_only=False)
     edit(obj)
     torch.save(obj, path)
@@ -414,6 +414,7 @@ def test_deepspeed_client_state_holding_tensors_is_refused_other_non_json_is_not
     assert open_checkpoint(str(tmp_path / "out"))[1].client_state["loss"] == 2.5
 
 
+@pytest.mark.slow
 def test_deepspeed_deeply_nested_client_state_is_one_line(tmp_path):
     root = ds_copy(tmp_path)
     resave_nested(root / TAG / MODEL, lambda m, nested: m.__setitem__("my_client_state", nested))

@@ -122,16 +122,31 @@ def _needs_an_extra(source: str) -> bool:  # source as ast.unparse writes it: si
     return any(sign.replace('"', "'") in source for sign in _NEEDS_AN_EXTRA)
 
 
-def test_a_test_that_needs_deepspeed_accelerate_or_torchtitan_is_slow():
+def _calls(node: ast.AST) -> set[str]:
+    return {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def _helpers_needing_an_extra(tree: ast.Module) -> set[str]:
+    """The module's helper functions that need an extra, directly or through another helper."""
+    helpers = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
+               and not node.name.startswith("test")}
+    needing = {name for name, node in helpers.items() if _needs_an_extra(ast.unparse(node))}
+    while True:
+        more = {name for name, node in helpers.items() if name not in needing and _calls(node) & needing}
+        if not more:
+            return needing
+        needing |= more
+
+
+def test_a_test_that_needs_an_extra_only_all_installs_is_slow():
+    """DeepSpeed, Accelerate or torchtitan: see _NEEDS_AN_EXTRA."""
     offenders = []
     for path, tree in _files().items():
         if _tier(tree) == "slow":
             continue
-        helpers = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-                   and not node.name.startswith("test") and _needs_an_extra(ast.unparse(node))}
+        helpers = _helpers_needing_an_extra(tree)
         for fn, is_slow in _test_functions(tree):
             source = ast.unparse(fn)
-            calls = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-            if not is_slow and (_needs_an_extra(source) or calls & helpers):
+            if not is_slow and (_needs_an_extra(source) or _calls(fn) & helpers):
                 offenders.append(f"{path.name}::{fn.name}")
     assert not offenders, f"need an extra only --all installs, yet in the default tier: {offenders}"

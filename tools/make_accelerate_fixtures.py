@@ -1,7 +1,7 @@
 """Generate tests/data/accelerate_plain: real Accelerate `save_state` folders without FSDP or
 DeepSpeed (model.safetensors, optimizer.bin, scheduler.bin, random_states_*.pkl, ...).
 
-Needs Accelerate 1.15.0 (installed by `tools/dev.sh test`'s set-up, or in its own folder on
+Needs Accelerate 1.15.0 (installed by `tools/dev.sh test --all`'s set-up, or in its own folder on
 PYTHONPATH: `pip install --no-deps --target DIR accelerate==1.15.0`):
     .venv/bin/python tools/make_accelerate_fixtures.py [OUT_DIR [VARIANT ...]]
 

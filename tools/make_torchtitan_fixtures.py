@@ -1,7 +1,7 @@
 """Generate tests/data/torchtitan: an interval checkpoint written by torchtitan 0.3.0's own
 CheckpointManager (model, optimizer, lr_scheduler, dataloader, train_state), with its fused QKV.
 
-Needs torchtitan 0.3.0 where `tools/dev.sh test` installs it (.venv/torchtitan-0.3.0, or
+Needs torchtitan 0.3.0 where `tools/dev.sh test --all` installs it (.venv/torchtitan-0.3.0, or
 ZEROSHARD_TORCHTITAN_PATH):
     .venv/bin/python tools/make_torchtitan_fixtures.py [OUT_DIR]
 
