@@ -10,6 +10,7 @@ import ast
 import functools
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -83,7 +84,9 @@ def _strings_the_default_tier_holds() -> set[str]:
 
 def _commands(group, prefix: str = "") -> list[str]:
     names = []
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)  # list_commands/get_command: `import`'s subcommands are made when asked for
+    for name in sorted(group.list_commands(ctx)):
+        command = group.get_command(ctx, name)
         names.append(prefix + name)
         if hasattr(command, "commands"):
             names.extend(_commands(command, prefix + name + " "))

@@ -500,112 +500,74 @@ def clean(path: str, older_than: str, yes: bool, dry_run: bool, storage_options:
     if report.errors or report.unreadable:
         sys.exit(EXIT_ERROR)
 
-# ---- interop: import from DeepSpeed / DCP, export to DCP (zeroshard/interop) ----------------------
+# ---- interop: import from other tools (zeroshard/interop/sources.py), export to DCP -----------------
 
-@main.group("import")
+class _ImportGroup(click.Group):
+    """`zeroshard import NAME`: one subcommand per import source, made from its entry in
+    interop/sources.py when asked for, so a command imports only the source it names."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from zeroshard.interop.sources import SOURCES
+
+        return sorted(SOURCES)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        from zeroshard.interop.sources import SOURCES, source
+
+        return _import_command(source(name)) if name in SOURCES else None
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._name_sources()
+        super().format_help_text(ctx, formatter)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        self._name_sources()
+        return super().get_short_help_str(limit)
+
+    def _name_sources(self) -> None:
+        """The help names every source's tool (their modules imported only for help)."""
+        if self.help is None:
+            from zeroshard.interop.sources import all_sources
+
+            labels = [s.label for s in all_sources()]
+            tools = f"{', '.join(labels[:-1])} or {labels[-1]}" if len(labels) > 1 else labels[0]
+            self.help = f"Convert a {tools} checkpoint into a zeroshard checkpoint."
+
+
+@main.group("import", cls=_ImportGroup)
 def import_group() -> None:
-    """Convert a DeepSpeed, DCP (FSDP2) or Megatron-Core checkpoint into a zeroshard checkpoint."""
+    pass
 
 
-@import_group.command("deepspeed")
-@click.argument("src")
-@click.argument("out")
-@click.option("--world", "--to", "world_size", type=int, default=None,
-              help="Ranks to write for (default: the source's).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@_common
-def import_deepspeed(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict,
-                     quiet: bool) -> None:
-    """A DeepSpeed ZeRO 1/2/3 checkpoint (SRC: the save_dir with `latest`, a tag folder, a
-    Hugging Face Trainer checkpoint-N or run folder, or a Universal Checkpoint folder). fp32,
-    bf16 (bf16_zero_pp_rank_*) and CPU-offload (DeepSpeedCPUAdam) runs are read alike.
+def _import_command(source: Any) -> click.Command:
+    """`zeroshard import NAME SRC OUT`: SRC read by the source, written as a zeroshard checkpoint."""
+    lines = [o.flags[-1].lstrip("-").replace("-", "_") for o in source.options if o.kind == "lines"]
 
-    fp32 master weights, Adam moments and step, param groups, global step, client state and
-    tied weights come across; `engine.load_checkpoint(OUT)` resumes where DeepSpeed stopped.
-    The .pt files are read with torch's weights_only unpickler and a closed allowlist. SRC and
-    OUT may be local or s3:// (--storage-option applies to both).
-    """
-    from zeroshard.interop.deepspeed_ckpt import read_deepspeed
-    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
+    def run(src: str, out: str, world_size: int | None, overwrite: bool, storage_options: dict, quiet: bool,
+            **options: Any) -> None:
+        from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
 
-    check_world_size(world_size)  # before anything is read or touched
-    release_large_blocks()  # this process only imports: freed windows go back to the system
-    imported = read_deepspeed(src, storage_options)  # SRC may be s3:// (the same storage options as OUT)
-    _report_import(write_imported(imported, out, world_size, tag="deepspeed", overwrite=overwrite,
-                                  storage_options=storage_options, source=src), out)
+        check_world_size(world_size)  # before anything is read or touched
+        release_large_blocks()  # this process only imports: freed windows go back to the system
+        for key in lines:  # a file of one entry a line, as a list
+            if options[key] is not None:
+                options[key] = [n.strip() for n in options[key].read().splitlines() if n.strip()]
+        # SRC may be s3:// (the same storage options as OUT)
+        imported = source.read(src, storage_options=storage_options, **options)
+        _report_import(write_imported(imported, out, world_size, tag=source.name, overwrite=overwrite,
+                                      storage_options=storage_options, source=src), out)
 
-
-@import_group.command("dcp")
-@click.argument("src")
-@click.argument("out")
-@click.option("--world", "--to", "world_size", type=int, default=None,
-              help="Ranks to write for (default: the source's, one per .distcp file).")
-@click.option("--buffers", default=None, metavar="REGEX",
-              help="Model tensors whose full name matches are buffers, not parameters (model-only sources).")
-@click.option("--param-names", "param_names", type=click.File("r", encoding="utf-8"), default=None, metavar="FILE",
-              help="An Accelerate save_state's optimizer.bin parameters in index order, one name a line.")
-@click.option("--head-dim", "head_dim", type=int, default=None, metavar="N",
-              help="A torchtitan model with fused QKV (wqkv): its attention head size, to fuse wq/wk/wv.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@_common
-def import_dcp(src: str, out: str, world_size: int | None, buffers: str | None, param_names: Any,
-               head_dim: int | None, overwrite: bool, storage_options: dict, quiet: bool) -> None:
-    """A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
-    {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
-    Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/, or with
-    FULL_STATE_DICT pytorch_model_fsdp.bin + optimizer.bin), or a Hugging Face Trainer
-    checkpoint-N/ written without DeepSpeed or FSDP (model.safetensors + optimizer.pt; needs the
-    transformers release that saved it, to learn the order of optimizer.pt's parameters), or an
-    Accelerate save_state without FSDP or DeepSpeed (model.safetensors + optimizer.bin; the
-    order of optimizer.bin's parameters from its param groups' names when the optimizer was
-    built from named_parameters(), else from --param-names). A torchtitan checkpoint of a model
-    with fused QKV (llama3's) needs --head-dim: its optimizer holds the fused wqkv, its model
-    entries the split wq/wk/wv, fused back as the module holds them.
-
-    Read without a process group: `.metadata` through a restricted unpickler, tensors straight
-    from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
-    parameter unless --buffers names it. SRC and OUT may be local or s3://.
-    """
-    from zeroshard.interop.dcp_import import read_dcp
-    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
-
-    check_world_size(world_size)  # before anything is read or touched
-    release_large_blocks()  # this process only imports: freed windows go back to the system
-    names = None if param_names is None else [n.strip() for n in param_names.read().splitlines() if n.strip()]
-    # SRC may be s3:// (the same storage options as OUT)
-    imported = read_dcp(src, buffers, storage_options, names, head_dim)
-    _report_import(write_imported(imported, out, world_size, tag="dcp", overwrite=overwrite,
-                                  storage_options=storage_options, source=src), out)
-
-
-@import_group.command("megatron")
-@click.argument("src")
-@click.argument("out")
-@click.option("--world", "--to", "world_size", type=int, default=None,
-              help="Ranks to write for (default: the source's, one per .distcp file).")
-@click.option("--split-layers", "split_layers", is_flag=True,
-              help="Cut stacked layer tensors [layers, ...] into decoder.layers.{i}.… (default: kept stacked).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@_common
-def import_megatron(src: str, out: str, world_size: int | None, split_layers: bool, overwrite: bool,
-                    storage_options: dict, quiet: bool) -> None:
-    """A Megatron-Core dist_checkpointing folder in its torch_dist format (metadata.json,
-    .metadata, __*_*.distcp: what NeMo and Megatron-LM save by default), model weights only.
-
-    Tensor-parallel (and pipeline-parallel) pieces are joined into whole tensors; the layers a
-    TransformerBlock stacks on a leading axis stay one [layers, ...] tensor unless
-    --split-layers names them decoder.layers.{i}.… as the module's state_dict() does. The
-    iteration becomes the step; _extra_state entries are listed, not imported; optimizer state
-    is refused. SRC and OUT may be local or s3://.
-    """
-    from zeroshard.interop.megatron import read_megatron
-    from zeroshard.interop.write import check_world_size, release_large_blocks, write_imported
-
-    check_world_size(world_size)  # before anything is read or touched
-    release_large_blocks()
-    imported = read_megatron(src, split_layers, storage_options)
-    _report_import(write_imported(imported, out, world_size, tag="megatron", overwrite=overwrite,
-                                  storage_options=storage_options, source=src), out)
+    kinds: dict[str, dict[str, Any]] = {"value": {"default": None}, "int": {"type": int, "default": None},
+                                        "flag": {"is_flag": True},
+                                        "lines": {"type": click.File("r", encoding="utf-8"), "default": None}}
+    decorators = [click.argument("src"), click.argument("out"),
+                  click.option("--world", "--to", "world_size", type=int, default=None, help=source.world_help),
+                  *(click.option(*o.flags, metavar=o.metavar, help=o.help, **kinds[o.kind]) for o in source.options),
+                  click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")]
+    command = _common(run)
+    for decorate in reversed(decorators):
+        command = decorate(command)
+    return click.command(source.name, help=source.help)(command)
 
 
 def _report_import(manifest: Any, out: str) -> None:

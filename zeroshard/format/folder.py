@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
-from zeroshard.errors import CheckpointError, InvalidArgumentError, ZeroshardError
-from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
+from zeroshard.errors import CheckpointError, InvalidArgumentError
 from zeroshard.format.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -64,55 +64,23 @@ def resolve_checkpoint(location: Location) -> Location:
 MAX_LATEST_BYTES = 4096  # a folder name and a newline; anything longer is not a `latest` file
 
 
-def _is_deepspeed_file(name: str) -> bool:
-    return name.endswith(("_model_states.pt", "_optim_states.pt"))
+# [Note: foreign folders]
+# format knows no other tool's file names. What a folder that is not ours is (a DeepSpeed save,
+# a DCP folder, ...) is told by the describer interop/sources.py installs here when it is
+# imported, which the toolkit and interop packages do: resolve_checkpoint's errors then name
+# the `zeroshard import` command to run. With none installed they say only what is missing.
+_describe_foreign: Callable[[Location], str | None] | None = None
 
 
-def foreign_checkpoint_kind(location: Location, _depth: int = 0) -> tuple[str, str, str] | None:
-    """(what it is, the `zeroshard import` subcommand, the path to give it) when `location` is a
-    DeepSpeed or DCP checkpoint, a folder whose `latest` names one, or an HF Trainer run folder
-    (its newest checkpoint-N), rather than ours; else None. Names, and a `latest` file's one
-    line, only: nothing foreign is read here."""
-    if not location.exists():
-        return None
-    names = location.list()
-    if ".metadata" in names or any(n.startswith("pytorch_model_fsdp") for n in names):
-        return "a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)", "dcp", location.url
-    if any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
-        return "a DeepSpeed checkpoint", "deepspeed", location.url
-    tags = [n for n in names if n.startswith("global_step")][:3]  # a save_dir with tag folders
-    if LATEST_NAME in names:  # Accelerate's save_state names its tag folder `pytorch_model`
-        try:
-            latest = location.read_bytes(LATEST_NAME, 0, MAX_LATEST_BYTES).decode("utf-8", "replace").strip()
-            tags += [latest] if is_safe_file_name(latest) and latest in names else []
-        except (OSError, ZeroshardError):
-            pass
-    for step in tags:
-        try:
-            if any(_is_deepspeed_file(m) for m in location.child(step).list()):
-                return "a DeepSpeed checkpoint folder", "deepspeed", location.url
-        except (OSError, ZeroshardError):
-            continue  # not a readable folder: no hint from it
-    if is_trainer_checkpoint(names):
-        return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)", "dcp", location.url
-    if is_accelerate_plain(names):
-        return "an Accelerate save_state (no FSDP or DeepSpeed)", "dcp", location.url
-    runs = trainer_checkpoints(names)
-    if runs and _depth == 0:  # a Trainer's output_dir: its newest checkpoint says what they are
-        inner = foreign_checkpoint_kind(location.child(runs[-1]), _depth + 1)
-        if inner is not None:
-            return (f"a Hugging Face Trainer run folder of {len(runs)} checkpoint(s), the newest "
-                    f"{runs[-1]} being {inner[0]}", inner[1], inner[2])
-    return None
+def describe_foreign_with(describe: Callable[[Location], str | None]) -> None:
+    """Install `describe(folder)`: a sentence saying what to run for a foreign folder, else None."""
+    global _describe_foreign
+    _describe_foreign = describe
 
 
 def foreign_checkpoint_hint(location: Location) -> str | None:
-    """What to run when `location` is a DeepSpeed or DCP checkpoint rather than ours, else None."""
-    kind = foreign_checkpoint_kind(location)
-    if kind is None:
-        return None
-    return (f"not a zeroshard checkpoint but {kind[0]}: convert it first with "
-            f"`zeroshard import {kind[1]} {kind[2]} OUT`, then use OUT")
+    """What to run when `location` is another tool's checkpoint rather than ours, else None."""
+    return _describe_foreign(location) if _describe_foreign is not None else None
 
 
 def _refuse_link(location: Location, name: str) -> None:

@@ -69,26 +69,6 @@ def split_file_url(url: str) -> tuple[str, str]:
     return parent or ".", name
 
 
-_TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d{1,12}")  # a Trainer output_dir's checkpoint-N folders
-
-
-def trainer_checkpoints(names: list[str]) -> list[str]:
-    """The Hugging Face Trainer's `checkpoint-N` names among `names`, oldest (smallest N) first."""
-    return sorted((n for n in names if _TRAINER_CHECKPOINT.fullmatch(n)), key=lambda n: int(n[len("checkpoint-"):]))
-
-
-def is_trainer_checkpoint(names: list[str]) -> bool:
-    """Whether a folder holding `names` is a Hugging Face Trainer checkpoint written without
-    DeepSpeed or FSDP: the full model's weights beside torch's optimizer state dict."""
-    return "optimizer.pt" in names and (HF_SINGLE_NAME in names or HF_INDEX_NAME in names)
-
-
-def is_accelerate_plain(names: list[str]) -> bool:
-    """Whether a folder holding `names` is Accelerate's save_state without FSDP or DeepSpeed: the
-    model's weights beside torch's optimizer state dict (interop/accelerate_plain.py)."""
-    return HF_SINGLE_NAME in names and "optimizer.bin" in names
-
-
 def open_full_model(url: str, storage_options: dict | None = None) -> tuple[Location, list[SourceTensor]]:
     """The folder holding the model's files, and its tensors in file order."""
     target = Location(url, storage_options)

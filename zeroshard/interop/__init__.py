@@ -23,6 +23,12 @@
   beside.py          what Accelerate and the HF Trainer save beside the weights: schedulers,
                      registered objects, trainer_state.json carried; the rest named
   rng_states.py      their per-process RNG files as each rank's RNG state
+  hf_folders.py      the names of those saves, and of the Trainer's checkpoint-N folders
+  source.py          what an import source is: recognise its folder, read it, its CLI options
+  sources.py         the import sources in one list (`zeroshard import NAME`, foreign-folder
+                     hints, resolve_checkpoint's errors ask it); adding one: sources.py's docstring
 
 torch is imported inside functions only, so `import zeroshard.cli` stays light.
 """
+
+from zeroshard.interop import sources  # noqa: F401  format's foreign-folder describer: See [Note: foreign folders]

@@ -23,7 +23,6 @@ import re
 from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
-from zeroshard.format.full_model import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.format.training_state import scalar_json, to_json_value
 from zeroshard.interop import dcp_chunks, files, megatron, torchtitan
 from zeroshard.interop.accelerate_plain import OWN as ACCELERATE_PLAIN_OWN
@@ -31,9 +30,12 @@ from zeroshard.interop.accelerate_plain import AcceleratePlainSource
 from zeroshard.interop.beside import SCHEDULER_KEY, carry_beside
 from zeroshard.interop.dcp_layouts import Layout, classify
 from zeroshard.interop.dcp_metadata import load_metadata
+from zeroshard.interop.hf_folders import is_accelerate_plain, is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range, materialize, optimizer_class_of
 from zeroshard.interop.pickled_state import FlatSource, PickledSource
+from zeroshard.interop.source import Option, Source
 from zeroshard.interop.trainer_ddp import OWN, TrainerSource
+from zeroshard.storage.location import Location
 
 
 def _path_of(metadata: Any, key: str) -> tuple:
@@ -236,6 +238,47 @@ def read_dcp(src: str, buffers: str | None = None, storage_options: dict | None 
     src = os.fspath(src)  # any os.PathLike
     with files.storage_options(storage_options):
         return _read_dcp(src, buffers, param_names, head_dim)
+
+
+def recognise(location: Location, names: list[str]) -> str | None:
+    """DCP's `.metadata` (FSDP2, torchtitan), Accelerate's FSDP folders and files, and what the
+    Trainer and Accelerate save without DeepSpeed or FSDP (read here too)."""
+    if ".metadata" in names or any(n.startswith("pytorch_model_fsdp") for n in names):
+        return "a PyTorch DCP checkpoint (FSDP2, torchtitan or Accelerate)"
+    if is_trainer_checkpoint(names):
+        return "a Hugging Face Trainer checkpoint (no DeepSpeed or FSDP)"
+    if is_accelerate_plain(names):
+        return "an Accelerate save_state (no FSDP or DeepSpeed)"
+    return None
+
+
+SOURCE = Source(
+    name="dcp", label="DCP (FSDP2)", recognise=recognise, read=read_dcp,
+    options=(
+        Option(("--buffers",), metavar="REGEX",
+               help="Model tensors whose full name matches are buffers, not parameters (model-only sources)."),
+        Option(("--param-names", "param_names"), kind="lines", metavar="FILE",
+               help="An Accelerate save_state's optimizer.bin parameters in index order, one name a line."),
+        Option(("--head-dim", "head_dim"), kind="int", metavar="N",
+               help="A torchtitan model with fused QKV (wqkv): its attention head size, to fuse wq/wk/wv."),
+    ),
+    world_help="Ranks to write for (default: the source's, one per .distcp file).",
+    help="""A torch.distributed.checkpoint folder: FSDP2's {"model", "optim"} (nested or flattened),
+    {"model", "optimizer"}, model-only, a plain model state dict, torchtitan's checkpoints, or an
+    Accelerate FSDP save_state folder (pytorch_model_fsdp_0/ + optimizer_0/, or with
+    FULL_STATE_DICT pytorch_model_fsdp.bin + optimizer.bin), or a Hugging Face Trainer
+    checkpoint-N/ written without DeepSpeed or FSDP (model.safetensors + optimizer.pt; needs the
+    transformers release that saved it, to learn the order of optimizer.pt's parameters), or an
+    Accelerate save_state without FSDP or DeepSpeed (model.safetensors + optimizer.bin; the
+    order of optimizer.bin's parameters from its param groups' names when the optimizer was
+    built from named_parameters(), else from --param-names). A torchtitan checkpoint of a model
+    with fused QKV (llama3's) needs --head-dim: its optimizer holds the fused wqkv, its model
+    entries the split wq/wk/wv, fused back as the module holds them.
+
+    Read without a process group: `.metadata` through a restricted unpickler, tensors straight
+    from the `.distcp` byte ranges. Without optimizer state every floating tensor is a
+    parameter unless --buffers names it. SRC and OUT may be local or s3://.
+    """)
 
 
 def _read_dcp(src: str, buffers: str | None, param_names: list[str] | None = None,

@@ -35,8 +35,8 @@ import posixpath
 import re
 from typing import Any
 
-from zeroshard.errors import CheckpointError
-from zeroshard.format.full_model import is_trainer_checkpoint, trainer_checkpoints
+from zeroshard.errors import CheckpointError, ZeroshardError
+from zeroshard.format.manifest import is_safe_file_name
 from zeroshard.interop import files, torch_zip
 from zeroshard.interop.beside import carry_beside, is_beside
 from zeroshard.interop.deepspeed_common import (
@@ -46,8 +46,11 @@ from zeroshard.interop.deepspeed_common import (
     load_model_states,
     optimizer_scalar,
 )
+from zeroshard.interop.hf_folders import is_trainer_checkpoint, trainer_checkpoints
 from zeroshard.interop.imported import Flat, Imported, is_tensor
+from zeroshard.interop.source import Source
 from zeroshard.interop.torch_pickle import read_small_file
+from zeroshard.storage.location import Location
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 # Files of layouts whose weights live outside the files read here: an import would exit having
@@ -144,6 +147,44 @@ def read_deepspeed(src: str, storage_options: dict | None = None) -> Imported:
     src = os.fspath(src)  # any os.PathLike
     with files.storage_options(storage_options):
         return _read_deepspeed(src)
+
+
+def _is_deepspeed_file(name: str) -> bool:
+    return name.endswith(("_model_states.pt", "_optim_states.pt"))
+
+
+def recognise(location: Location, names: list[str]) -> str | None:
+    """A tag folder or universal folder by its file names; a save_dir (global_step* folders, or
+    the one `latest` names: Accelerate's is `pytorch_model`) by the names in its first tags."""
+    if any(_is_deepspeed_file(n) for n in names) or "zero" in names and any(n.startswith("mp_rank_") for n in names):
+        return "a DeepSpeed checkpoint"
+    tags = [n for n in names if n.startswith("global_step")][:3]
+    if "latest" in names:
+        try:
+            latest = location.read_bytes("latest", 0, MAX_LATEST_BYTES).decode("utf-8", "replace").strip()
+            tags += [latest] if is_safe_file_name(latest) and latest in names else []
+        except (OSError, ZeroshardError):
+            pass  # the global_step* names may still tell
+    for tag in tags:
+        try:
+            if any(_is_deepspeed_file(m) for m in location.child(tag).list()):
+                return "a DeepSpeed checkpoint folder"
+        except (OSError, ZeroshardError):
+            continue  # not a readable folder: no hint from it
+    return None
+
+
+SOURCE = Source(
+    name="deepspeed", label="DeepSpeed", recognise=recognise, read=read_deepspeed,
+    help="""A DeepSpeed ZeRO 1/2/3 checkpoint (SRC: the save_dir with `latest`, a tag folder, a
+    Hugging Face Trainer checkpoint-N or run folder, or a Universal Checkpoint folder). fp32,
+    bf16 (bf16_zero_pp_rank_*) and CPU-offload (DeepSpeedCPUAdam) runs are read alike.
+
+    fp32 master weights, Adam moments and step, param groups, global step, client state and
+    tied weights come across; `engine.load_checkpoint(OUT)` resumes where DeepSpeed stopped.
+    The .pt files are read with torch's weights_only unpickler and a closed allowlist. SRC and
+    OUT may be local or s3:// (--storage-option applies to both).
+    """)
 
 
 def _read_deepspeed(src: str) -> Imported:

@@ -27,7 +27,9 @@ from zeroshard.errors import CheckpointError
 from zeroshard.interop import dcp_chunks, files
 from zeroshard.interop.dcp_metadata import load_metadata
 from zeroshard.interop.imported import Imported, LazyTensor, flat_range
+from zeroshard.interop.source import Option, Source
 from zeroshard.interop.torch_pickle import load_pt
+from zeroshard.storage.location import Location
 
 METADATA_JSON, COMMON_KEY, COMMON_PT = "metadata.json", "common_state", "common.pt"
 MAX_JSON_BYTES = 1 << 20
@@ -92,6 +94,33 @@ def read_megatron(src: str, split_layers: bool = False, storage_options: dict | 
     src = os.fspath(src)
     with files.storage_options(storage_options):
         return _read(src.rstrip("/") or "/", split_layers)
+
+
+def recognise(location: Location, names: list[str]) -> str | None:
+    """A folder whose metadata.json names a `sharded_backend` (its `.metadata` makes it a DCP
+    folder too: sources.py asks this source first). Another backend than torch_dist is still
+    Megatron's: its import says what to do."""
+    if METADATA_JSON not in names:
+        return None
+    config = json.loads(location.read_bytes(METADATA_JSON, 0, MAX_JSON_BYTES))
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    return f"a Megatron-Core dist checkpoint ({backend[:40]})" if isinstance(backend, str) else None
+
+
+SOURCE = Source(
+    name="megatron", label="Megatron-Core", recognise=recognise, read=read_megatron,
+    options=(Option(("--split-layers", "split_layers"), kind="flag", help="Cut stacked layer tensors [layers, ...] "
+                    "into decoder.layers.{i}.… (default: kept stacked)."),),
+    world_help="Ranks to write for (default: the source's, one per .distcp file).",
+    help="""A Megatron-Core dist_checkpointing folder in its torch_dist format (metadata.json,
+    .metadata, __*_*.distcp: what NeMo and Megatron-LM save by default), model weights only.
+
+    Tensor-parallel (and pipeline-parallel) pieces are joined into whole tensors; the layers a
+    TransformerBlock stacks on a leading axis stay one [layers, ...] tensor unless
+    --split-layers names them decoder.layers.{i}.… as the module's state_dict() does. The
+    iteration becomes the step; _extra_state entries are listed, not imported; optimizer state
+    is refused. SRC and OUT may be local or s3://.
+    """)
 
 
 def _read(folder: str, split_layers: bool) -> Imported:

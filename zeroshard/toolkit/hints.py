@@ -1,15 +1,15 @@
 """The next step, appended to a CLI error when the input is something zeroshard can convert or a
-user can fix: a DeepSpeed or DCP checkpoint given where a zeroshard one is expected (told apart by
-format.folder.foreign_checkpoint_kind, as resolve_checkpoint's own errors do), a pickle given
+user can fix: another tool's checkpoint given where a zeroshard one is expected (told apart by
+the import sources, interop/sources.py, as resolve_checkpoint's own errors are), a pickle given
 where safetensors or a checkpoint is expected (shard reads torch.save's zip format). Looks only
-at names and a file's first bytes; never raises."""
+at names, small files and a file's first bytes; never raises."""
 
 from __future__ import annotations
 
 import os
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format.folder import foreign_checkpoint_kind
+from zeroshard.interop.sources import foreign_checkpoint_kind
 from zeroshard.storage.location import Location, local_path
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

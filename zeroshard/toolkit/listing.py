@@ -7,8 +7,9 @@ from typing import Any
 
 from zeroshard.errors import CheckpointError, ZeroshardError
 from zeroshard.format import OpenedCheckpoint, opened_checkpoint
-from zeroshard.format.folder import MAX_LATEST_BYTES, foreign_checkpoint_kind, load_manifest
+from zeroshard.format.folder import MAX_LATEST_BYTES, load_manifest
 from zeroshard.format.manifest import LATEST_NAME, MANIFEST_NAME, is_rank_file_name
+from zeroshard.interop.sources import foreign_checkpoint_kind
 from zeroshard.storage.claim import CLAIM_NAME, is_torn, read_claim, silent_for, writer_alive
 from zeroshard.storage.location import TEMP_PREFIX, Location
 from zeroshard.toolkit.load import select
