@@ -48,7 +48,7 @@ def test_the_registry_lists_every_source():
     holders = {path.stem for path in (ROOT / "zeroshard" / "interop").glob("*.py")
                if any(isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SOURCE" for t in node.targets)
                       for node in ast.parse(path.read_text()).body)}
-    assert holders == set(SOURCES.values()) and len(holders) >= 3, (holders, SOURCES)
+    assert holders == set(SOURCES.values()) and "deepspeed_ckpt" in holders, (holders, SOURCES)  # the scan sees them
     assert [s.name for s in all_sources()] == list(SOURCES)
     for src in all_sources():
         assert src.label and src.help.strip() and callable(src.recognise) and callable(src.read), src.name
