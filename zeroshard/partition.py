@@ -76,6 +76,46 @@ def holders(numel: int, world_size: int, start: int, end: int) -> list[tuple[int
     return [(r, (r * size, min((r + 1) * size, numel))) for r in range(start // size, (end - 1) // size + 1)]
 
 
+def span_overlaps(numel: int, source_world: int, target_world: int, first: int, end: int) -> tuple[int, int, Range]:
+    """Target ranks [first, end) of a tensor resharded from `source_world` ranks to `target_world`:
+    (pieces, elements, source ranks): how many (target rank, source rank) pairs overlap (the pieces
+    a reshard copies), how many elements those targets own, and the source ranks holding them.
+
+    O(log numel) whatever the number of ranks, by two floor sums over the full-chunk targets: a
+    dry run sums 100 million pieces this way without listing them (toolkit/plan_summary.py)."""
+    size, source = chunk_size(numel, target_world), max(chunk_size(numel, source_world), 1)
+    full, nonempty = owning_ranks(numel, target_world)
+    first, end = max(first, 0), min(end, nonempty)
+    if end <= first:
+        return 0, 0, (0, 0)
+    count, low = min(end, full) - first, first * size
+    pieces = 0
+    if count > 0:  # target r owns [r size, r size + size): floor((r size + size - 1) / C) - floor(r size / C) + 1
+        pieces = count + floor_sum(count, source, size, low + size - 1) - floor_sum(count, source, size, low)
+    if end > full:  # the one target owning the shorter rest
+        start = full * size
+        pieces += (numel - 1) // source - start // source + 1
+    top = min(end * size, numel)
+    return pieces, top - low, (low // source, (top - 1) // source + 1)
+
+
+def floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """Sum of floor((a i + b) / m) for i in [0, n), for n, a, b >= 0 and m >= 1, in O(log m)
+    steps (the Euclid-like reduction; Python integers: no overflow)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        top = a * n + b
+        if top < m:
+            return total
+        n, b, m, a = top // m, top % m, a, m
+
+
 def intersect(a: Range, b: Range) -> Range | None:
     """The common part of two ranges, or None when they do not overlap."""
     start, end = max(a[0], b[0]), min(a[1], b[1])

@@ -58,13 +58,26 @@ def holders(numel, world_size, start, end) -> Overlaps:
     numel = np.broadcast_to(_int64(numel), start.shape)
     chunk = np.broadcast_to(np.maximum(chunk_sizes(numel, world_size), 1), start.shape)
     start, end = np.maximum(start, 0), np.minimum(end, numel)
-    first = start // chunk
-    count = np.where(end > start, (end - 1) // chunk - first + 1, 0)
+    first, count = _spans(chunk, start, end)
     row = np.repeat(np.arange(len(start)), count)
     rank = first[row] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
     rank_start = rank * chunk[row]
     rank_end = np.minimum(rank_start + chunk[row], numel[row])
     return Overlaps(row, rank, rank_start, np.maximum(start[row], rank_start), np.minimum(end[row], rank_end))
+
+
+def holder_spans(numel, world_size, start, end) -> tuple[np.ndarray, np.ndarray]:
+    """(first, count) per row: the ranks `holders` lists for that row are first .. first + count - 1.
+    What a dry run sums, without listing the overlaps (toolkit/plan_summary.py)."""
+    start, end = _int64(start), _int64(end)
+    numel = np.broadcast_to(_int64(numel), start.shape)
+    chunk = np.broadcast_to(np.maximum(chunk_sizes(numel, world_size), 1), start.shape)
+    return _spans(chunk, np.maximum(start, 0), np.minimum(end, numel))
+
+
+def _spans(chunk: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    first = start // chunk
+    return first, np.where(end > start, (end - 1) // chunk - first + 1, 0)
 
 
 def intersect_layouts(numel, source_world: int, target_world: int) -> tuple[np.ndarray, np.ndarray, Overlaps]:

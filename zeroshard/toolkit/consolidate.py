@@ -115,7 +115,7 @@ def dry_run(ckpt: str | OpenedCheckpoint, out: str, *, dtype: str | None = None,
             storage_options: dict | None = None, include: list[str] | None = None, exclude: list[str] | None = None,
             strip_prefix: list[str] | None = None, peft: bool = False, adapter_config: str | None = None) -> str:
     """What `consolidate` would read and write, from the manifest alone: nothing is written."""
-    from zeroshard.toolkit.plan import plan_files  # numpy: only when asked
+    from zeroshard.toolkit.plan_summary import describe_files  # numpy: only when asked
 
     opened = opened_checkpoint(ckpt, storage_options)
     source, manifest = opened.location, opened.manifest
@@ -128,7 +128,7 @@ def dry_run(ckpt: str | OpenedCheckpoint, out: str, *, dtype: str | None = None,
         folder, names, shards, total, _ = plan(source, manifest, os.fspath(out), dtype=dtype,
                                                max_shard_size=max_shard_size, **choice)
     return (f"dry run: {source.url} -> {folder.url}: {len(names)} file(s), {total:,} bytes of weights; nothing "
-            f"written\n" + plan_files(manifest, names, shards).describe())
+            f"written\n" + describe_files(manifest, names, shards))
 
 
 def model_config(manifest: Manifest, config: str | None, single_file: bool, out: str) -> bytes | None:

@@ -29,6 +29,7 @@ from zeroshard.toolkit.plans import (
     PIECE_BUDGET,
     TASK_BYTES,
     FixedPlans,
+    OutputPlan,
     RankFilePlans,
     Task,
     carried_tensors,
@@ -101,23 +102,16 @@ class Plan:
         return np.unique(self.output).tolist()
 
     def describe(self, limit: int = 10) -> str:
-        """What would be read and written, for people (`--dry-run`)."""
-        read, written, used = int(self.nbytes.sum()), int(self.written.sum()), np.unique(self.input)
-        outputs = [i for i, size in enumerate(self.output_sizes) if size]  # files with no piece too
-        casts = ", ".join(f"{a} -> {b}" for a, b in self.casts[1:]) or "none"
-        lines = [f"read {read:,} bytes from {len(used)} of {len(self.input_names)} input files",
-                 f"write {sum(self.output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
-                 f"into {len(outputs)} files, in {len(self):,} pieces; casts: {casts}"]
-        by_output = np.bincount(self.output, minlength=len(self.output_sizes))
+        """What would be read and written, for people (`--dry-run`; at any scale without a
+        Plan: toolkit/plan_summary.py prints the same from sums)."""
+        from zeroshard.toolkit.plan_summary import describe_text
+
         pairs = np.unique(self.output * len(self.input_names) + self.input)  # (output, input) pairs
         inputs = np.bincount(pairs // max(len(self.input_names), 1), minlength=len(self.output_sizes))
-        shown = outputs if len(outputs) <= limit else outputs[:limit // 2] + outputs[-(limit // 2):]
-        for i in shown:
-            if len(outputs) > limit and i == outputs[-(limit // 2)]:
-                lines.append(f"  ... {len(outputs) - 2 * (limit // 2)} more files")
-            lines.append(f"  {self.outputs.plan(i).name}: {self.output_sizes[i]:,} bytes, "
-                         f"{int(by_output[i]):,} pieces from {int(inputs[i]):,} input files")
-        return "\n".join(lines)
+        return describe_text(int(self.nbytes.sum()), int(self.written.sum()), len(np.unique(self.input)),
+                             len(self.input_names), self.output_sizes, len(self), self.casts,
+                             np.bincount(self.output, minlength=len(self.output_sizes)), inputs.__getitem__,
+                             self.outputs.name, limit)
 
 
 def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> list[Task]:
@@ -135,6 +129,14 @@ def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> lis
 
 def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
     """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
+    plans, casts, rows = file_rows(manifest, names, shards)
+    return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts, *rows)
+
+
+def file_rows(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]],
+              ) -> tuple[list[OutputPlan], list[tuple[str, str] | None], tuple[np.ndarray, ...]]:
+    """Each file's plan, the casts (0: none) and its tensors as rows (output, input tensor index,
+    elements [start, end), output byte offset, cast)."""
     plans = [plan_output(name, [(t.name, t.source, 0, t.source.numel, t.dtype, t.source.shape) for t in shard],
                          {"format": "pt"}, hash_table=False) for name, shard in zip(names, shards)]
     index = {name: i for i, name in enumerate(manifest.tensors)}
@@ -146,8 +148,7 @@ def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequen
             if cast not in casts:
                 casts.append(cast)
             rows.append((i, index[t.source.name], t.start, t.end, t.begin, casts.index(cast)))
-    return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts,
-                 *np.array(rows, dtype=np.int64).reshape(-1, 6).T)
+    return plans, casts, tuple(np.array(rows, dtype=np.int64).reshape(-1, 6).T)
 
 
 def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_size: int, checkpoint_id: str) -> Plan:
@@ -158,10 +159,18 @@ def plan_rank_files(manifest: Manifest, tensors: Sequence[TensorEntry], world_si
 def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int]) -> Plan:
     """The pieces of whole rank files `ranks` (ascending), from the runs of alike ranks of their
     layouts: array operations per run, not a Python loop per fragment."""
+    sizes = [0] * outputs.count
+    out, tid, start, end, begin = rank_rows(manifest, outputs, ranks, sizes)
+    return _plan(manifest, outputs, sizes, [None], out, tid, start, end, begin, np.zeros_like(out))
+
+
+def rank_rows(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int],
+              sizes: list[int]) -> tuple[np.ndarray, ...]:
+    """The output tensors of rank files `ranks` as rows (output, input tensor index, elements
+    [start, end), output byte offset); each rank's file size into `sizes[rank]`."""
     layouts, ranks = outputs.layouts, list(ranks)
     runs = [layouts.rank_layout(r) for r in ranks]
     heads = [layouts.header_length(r) for r in ranks]
-    sizes = [0] * outputs.count
     for r, run, h in zip(ranks, runs, heads):
         sizes[r] = h + run.data_bytes
     cuts = [k for k in range(len(ranks)) if k == 0 or runs[k] is not runs[k - 1]] + [len(ranks)]
@@ -176,8 +185,7 @@ def plan_ranks(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int])
                      shard_ranges(numel, outputs.world_size, out)[0], 0)
     index = {name: i for i, name in enumerate(manifest.tensors)}
     to_input = np.array([index[t.name] for t in tensors], dtype=np.int64)
-    return _plan(manifest, outputs, sizes, [None], out, to_input[tid], start, start + nbytes // itemsize, begin,
-                 np.zeros_like(out))
+    return out, to_input[tid], start, start + nbytes // itemsize, begin
 
 
 def run_arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -72,6 +72,9 @@ class FixedPlans:
     def plan(self, index: int) -> OutputPlan:
         return self.plans[index]
 
+    def name(self, index: int) -> str:
+        return self.plans[index].name
+
 
 class RankFilePlans:
     """The rank files of a checkpoint at `world_size`, each planned where it is written: a worker
@@ -88,6 +91,9 @@ class RankFilePlans:
         if self._layouts is None:
             self._layouts = RankLayouts(self.tensors, self.world_size, self.checkpoint_id, FORMAT_VERSION)
         return self._layouts
+
+    def name(self, rank: int) -> str:
+        return rank_file_name(rank, self.world_size)
 
     def plan(self, rank: int) -> OutputPlan:
         return plan_output(rank_file_name(rank, self.world_size),

@@ -94,7 +94,7 @@ def reshard(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = Non
 def dry_run(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = None,
             storage_options: dict | None = None) -> str:
     """What `reshard` would read and write, from the manifest alone: nothing is written."""
-    from zeroshard.toolkit.plan import make_plan  # numpy: only when asked
+    from zeroshard.toolkit.plan_summary import describe_reshard  # numpy: only when asked
 
     if world_size < 1:
         raise ZeroshardError(f"--to must be at least 1, got {world_size}")
@@ -102,5 +102,5 @@ def dry_run(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = Non
     given, source, manifest = opened.given, opened.location, opened.manifest
     out_url = out or default_output(given.url, world_size)
     return (f"dry run: {source.url} ({manifest.world_size} ranks) -> {out_url} ({world_size} ranks); nothing written\n"
-            + make_plan(manifest, world_size).describe())
+            + describe_reshard(manifest, world_size))  # the plan's sums, not its pieces: any scale
 
