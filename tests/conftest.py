@@ -103,6 +103,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    distributed = sys.modules.get("distributed")  # the rank pools: atexit is not run in every xdist worker
+    if distributed is not None:
+        distributed.shutdown_pools()
     if _deepspeed_op_build is not None:
         try:
             _deepspeed_op_build.wait(timeout=600)

@@ -672,24 +672,37 @@ def _resume_lora(rank: int, world_size: int, path: str, variant: str) -> dict:
     return _trainer_resume(model, optimizer, path, expected, strict=False)
 
 
-@pytest.mark.parametrize("variant", ["hf_trainer_lora", "hf_trainer_lora_stage3"])
-def test_hf_trainer_peft_lora_checkpoint_imports_and_resumes(tmp_path, variant):
-    """The HF Trainer saves a PEFT model with DeepSpeed's exclude_frozen_parameters: only the
-    adapters are in DeepSpeed's files, plus the tied head (a copy of the frozen embedding the
-    exclusion misses). The import failed on that copy; it now carries it as the embedding, says
-    what the checkpoint lacks, and resumes (strict=False, the base from its pretrained weights)
-    with the Trainer's own next losses."""
-    pytest.importorskip("peft", reason="peft is not installed (the test extra has it)")
+def _import_lora(variant: str, out: Path) -> tuple[dict, str]:
     expected = json.loads((FIXTURES / variant / "expected.json").read_text())
-    out = tmp_path / "imported"
     output = _import(FIXTURES / variant, out)
     assert "saved with exclude_frozen_parameters" in output, output
+    return expected, output
+
+
+@pytest.mark.parametrize("variant", ["hf_trainer_lora", "hf_trainer_lora_stage3"])
+def test_hf_trainer_peft_lora_checkpoint_imports(tmp_path, variant):
+    """The HF Trainer saves a PEFT model with DeepSpeed's exclude_frozen_parameters: only the
+    adapters are in DeepSpeed's files, plus the tied head (a copy of the frozen embedding the
+    exclusion misses). The import failed on that copy; it now carries it as the embedding and
+    says what the checkpoint lacks (PEFT itself is needed only to resume: the next test)."""
+    out = tmp_path / "imported"
+    expected, output = _import_lora(variant, out)
     _, manifest = open_checkpoint(str(out))
     if expected["stage"] == 2:  # stage 3's module state dict holds empty placeholders: no copy to recover
         assert "base_model.model.emb.weight (from its tied copy base_model.model.head.weight)" in output, output
         assert manifest.aliases == {"base_model.model.head.weight": "base_model.model.emb.weight"}
         torch.manual_seed(0)
         assert torch.equal(zeroshard_load(out)["base_model.model.emb.weight"], TrainerTied().emb.weight.detach())
+
+
+@pytest.mark.slow  # PEFT (and the Accelerate it needs) are set up by tools/dev.sh test --all only
+@pytest.mark.parametrize("variant", ["hf_trainer_lora", "hf_trainer_lora_stage3"])
+def test_hf_trainer_peft_lora_checkpoint_resumes_with_the_trainers_losses(tmp_path, variant):
+    """The LoRA import resumes (strict=False, the base from its pretrained weights) with the
+    Trainer's own next losses."""
+    pytest.importorskip("peft", reason="peft is not installed (tools/dev.sh test --all installs it)")
+    out = tmp_path / "imported"
+    expected, _ = _import_lora(variant, out)
     got = run_ranks(_resume_lora, 2, path=str(out), variant=variant, init_process_group=False)[0]
     assert got["losses"] == pytest.approx(expected["losses_resumed"], rel=1e-5), (got["losses"], expected)
     assert expected["losses_resumed"] == pytest.approx(expected["losses_after"], rel=1e-6)

@@ -77,7 +77,7 @@ def test_a_native_zero3_peft_run_exports_an_adapter_peft_loads_with_the_trained_
     with the config recorded at save. PeftModel.from_pretrained on a fresh base gives the ranks'
     logits exactly; the safetensors file is byte for byte PEFT's own save_pretrained of the trained
     model, and the config its adapter_config.json (sets sorted). --dtype bf16 casts the tensors."""
-    pytest.importorskip("peft", reason="peft is not installed (the test extra has it)")
+    pytest.importorskip("peft", reason="peft is not installed (tools/dev.sh test --all installs it)")
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -130,12 +130,13 @@ class Small(torch.nn.Module):
         return self.head(self.fc(self.emb(x)))
 
 
+@pytest.mark.slow  # PEFT (and the Accelerate it needs) are set up by tools/dev.sh test --all only
 @pytest.mark.parametrize("variant", sorted(PEFT_VARIANTS))
 def test_names_follow_peft_for_its_other_saved_tensors(tmp_path, variant):
     """modules_to_save copies, DoRA's magnitude, biases, lora_B's bias and trainable tokens: the
     file consolidate --peft writes from a checkpoint of the PEFT model's state dict is the one
     PEFT's save_pretrained writes, byte for byte (names, dtypes, shapes, values)."""
-    pytest.importorskip("peft", reason="peft is not installed (the test extra has it)")
+    pytest.importorskip("peft", reason="peft is not installed (tools/dev.sh test --all installs it)")
     from peft import LoraConfig, get_peft_model
 
     from zeroshard.checkpointing.model_config import peft_config_of

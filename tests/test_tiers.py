@@ -118,7 +118,7 @@ def test_the_tier_markers_are_registered(marker, pytestconfig):
 # What only `tools/dev.sh test --all` installs: a test that needs one of these skips in the default
 # tier, and a test that skips there never runs in CI's slow pass either. So it must be slow.
 _NEEDS_AN_EXTRA = ('find_spec("deepspeed")', "HAS_DEEPSPEED", 'importorskip("deepspeed"', 'importorskip("accelerate',
-                   "TORCHTITAN", "needs_torchtitan")
+                   'importorskip("peft"', "TORCHTITAN", "needs_torchtitan")
 
 
 def _needs_an_extra(source: str) -> bool:  # source as ast.unparse writes it: single quotes
@@ -142,7 +142,7 @@ def _helpers_needing_an_extra(tree: ast.Module) -> set[str]:
 
 
 def test_a_test_that_needs_an_extra_only_all_installs_is_slow():
-    """DeepSpeed, Accelerate or torchtitan: see _NEEDS_AN_EXTRA."""
+    """DeepSpeed, Accelerate, PEFT or torchtitan: see _NEEDS_AN_EXTRA."""
     offenders = []
     for path, tree in _files().items():
         if _tier(tree) == "slow":

@@ -5,7 +5,7 @@
 #                         cores; `test --all` both tiers, with real DeepSpeed, Accelerate and torchtitan
 #                         set up first; `test --slow` the slow tier alone; with other arguments, only
 #                         pytest with them (no tier filter)
-#   tools/dev.sh extras - set up what the slow tier compares with: DeepSpeed, Accelerate, torchtitan
+#   tools/dev.sh extras - set up what the slow tier compares with: DeepSpeed, Accelerate, PEFT, torchtitan
 #   tools/dev.sh lint   - ruff alone (pass --fix to apply its safe fixes)
 #   tools/dev.sh gpu    - on a CUDA machine: GPU tests and benchmarks, one report (tools/gpu_suite.py);
 #                         elsewhere, or with --dry-run: print what it would run and exit 0
@@ -37,12 +37,19 @@ setup() {
     echo "$want" > "$venv/.zeroshard-stamp"
 }
 
-# The slow tier compares with real DeepSpeed (docs/DEEPSPEED.md), Accelerate and torchtitan; the
-# default tier needs none of them. DeepSpeed's build imports torch, so it needs --no-build-isolation.
-# Best effort: a package that cannot be installed makes its tests skip, with the reason printed.
+# The slow tier compares with real DeepSpeed (docs/DEEPSPEED.md), Accelerate, PEFT and torchtitan;
+# the default tier needs none of them. Each is installed at the version the tests and docs name
+# (an installed other version is replaced: a test of "Accelerate 1.15.0" must run 1.15.0).
+# DeepSpeed's build imports torch, so it needs --no-build-isolation. Best effort: a package that
+# cannot be installed makes its tests skip, with the reason printed.
+EXTRAS_PINS=(accelerate==1.15.0 peft==0.21.2)  # PEFT depends on Accelerate: it comes after it
+has_pin() {  # has_pin NAME==VERSION: that version is installed in .venv
+    "$py" -c "import importlib.metadata as m, sys; n, v = sys.argv[1].split('=='); sys.exit(m.version(n) != v)" "$1" \
+        >/dev/null 2>&1
+}
 test_extras() {
-    local quiet_pip="is ignored: it is neither a file nor a directory"
-    if ! "$py" -c "import deepspeed" >/dev/null 2>&1 && [ ! -f "$venv/.deepspeed-failed" ]; then
+    local quiet_pip="is ignored: it is neither a file nor a directory" pin
+    if ! has_pin deepspeed==0.19.8 && [ ! -f "$venv/.deepspeed-failed" ]; then
         echo "== set-up: DeepSpeed 0.19.8 (CPU, no ops) for the comparison tests"
         if ! DS_BUILD_OPS=0 DS_ACCELERATOR=cpu timeout 900 "$py" -m pip install -q -c tools/constraints.txt \
                 --no-build-isolation deepspeed==0.19.8 2> >(grep -v "$quiet_pip" >&2); then
@@ -50,15 +57,17 @@ test_extras() {
             touch "$venv/.deepspeed-failed"
         fi
     fi
-    # Accelerate and torchtitan write the DCP layouts tests/test_dcp_layouts.py imports.
-    if ! "$py" -c "import accelerate" >/dev/null 2>&1 && [ ! -f "$venv/.accelerate-failed" ]; then
-        echo "== set-up: Accelerate 1.15.0 for the DCP layout tests"
-        if ! timeout 600 "$py" -m pip install -q -c tools/constraints.txt accelerate==1.15.0 \
-                2> >(grep -v "$quiet_pip" >&2); then
-            echo "== Accelerate could not be installed: its DCP layout test will skip" >&2
-            touch "$venv/.accelerate-failed"
+    # Accelerate and torchtitan write the DCP layouts tests/test_dcp_layouts.py imports; PEFT's
+    # own adapters are what consolidate --peft is compared with (tests/test_peft_export.py).
+    for pin in "${EXTRAS_PINS[@]}"; do
+        if ! has_pin "$pin" && [ ! -f "$venv/.${pin%%==*}-failed" ]; then
+            echo "== set-up: $pin for the slow tier"
+            if ! timeout 600 "$py" -m pip install -q -c tools/constraints.txt "$pin" 2> >(grep -v "$quiet_pip" >&2); then
+                echo "== $pin could not be installed: the tests that need it will skip" >&2
+                touch "$venv/.${pin%%==*}-failed"
+            fi
         fi
-    fi
+    done
     # torchtitan declares heavy dependencies (datasets, wandb, ...): only its package and what its
     # checkpoint and optimizer code import, in a folder of their own the test puts on sys.path.
     local titan="$venv/torchtitan-0.3.0"
@@ -129,18 +138,21 @@ floor() {
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     "$fpy" -c "import torch, zeroshard; assert torch.__version__.startswith('$FLOOR_TORCH'), torch.__version__"
     if [ $# -gt 0 ]; then exec "$fpy" -m pytest -q "$@"; fi
-    echo "== floor: torch $FLOOR_TORCH, ${#FLOOR_TESTS[@]} test files (both tiers, both cores) and the demo"
-    "$fpy" -m pytest -q -p no:cacheprovider -n 2 "${FLOOR_TESTS[@]}"
+    # Their default tier: the same torch APIs as their slow cases, which add ranks and matrices
+    echo "== floor: torch $FLOOR_TORCH, the default tier of ${#FLOOR_TESTS[@]} test files (both cores) and the demo"
+    "$fpy" -m pytest -q -p no:cacheprovider -n 2 -m "not slow" "${FLOOR_TESTS[@]}"
     "$fpy" tools/demo.py
 }
 
-# One tier (a pytest -m expression) on both cores, then its `exclusive` tests one at a time: those
-# measure the machine's time or memory and must have it to themselves (docs/TESTING.md).
+# One tier (a pytest -m expression) on N pytest-xdist workers, then its `exclusive` tests one at a
+# time: those measure the machine's time or memory and must have it to themselves (docs/TESTING.md).
+# The slow tier takes 3 workers on 2 cores: its tests spend much of their time waiting (torchrun
+# rendezvous, process start-up, nodes killed and timed out), which a third worker fills.
 run_tier() {
-    local tier=$1 rc=0
-    shift
-    echo "== tests: -m '$tier' on 2 workers, then its exclusive tests alone"
-    "$py" -m pytest -q -rs -p no:cacheprovider -n 2 -m "($tier) and not exclusive" "$@" || rc=$?
+    local tier=$1 workers=$2 rc=0
+    shift 2
+    echo "== tests: -m '$tier' on $workers workers, then its exclusive tests alone"
+    "$py" -m pytest -q -rs -p no:cacheprovider -n "$workers" -m "($tier) and not exclusive" "$@" || rc=$?
     "$py" -m pytest -q -rs -p no:cacheprovider -m "($tier) and exclusive" "$@" || { local r=$?; [ $r -eq 5 ] || rc=$r; }
     return $rc
 }
@@ -154,10 +166,10 @@ case "$cmd" in
     # adds the slow tier and what it compares with; --slow runs the slow tier alone (CI's second step).
     test) setup; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
           case "${1:-}" in
-              "") echo "== lint: ruff check"; "$venv/bin/ruff" check .; run_tier "not slow" ;;
+              "") echo "== lint: ruff check"; "$venv/bin/ruff" check .; run_tier "not slow" 2 ;;
               --all) shift; test_extras; echo "== lint: ruff check"; "$venv/bin/ruff" check .
-                     run_tier "not slow or slow" "$@" ;;
-              --slow) shift; test_extras; run_tier "slow" "$@" ;;
+                     run_tier "not slow or slow" 3 "$@" ;;
+              --slow) shift; test_extras; run_tier "slow" 3 "$@" ;;
               *) exec "$py" -m pytest -q "$@" ;;
           esac ;;
     extras) setup; test_extras ;;
