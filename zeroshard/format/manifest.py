@@ -199,14 +199,11 @@ class _Malformed(ValueError):
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)  # in C: the hook runs for each of a big manifest's 40,000 objects
-    if len(out) == len(pairs):
-        return out
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")  # internal: json hook, reported as CheckpointError
-        seen.add(key)
-    raise AssertionError("unreachable: fewer keys than pairs means a key repeats")  # internal
+    if len(out) != len(pairs):  # some key repeats: name the first that does
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {key!r}")  # internal: json hook, reported as CheckpointError
+    return out
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:

@@ -25,6 +25,7 @@ from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
+from zeroshard.toolkit.plan_text import describe_text
 from zeroshard.toolkit.plans import (
     PIECE_BUDGET,
     TASK_BYTES,
@@ -104,8 +105,6 @@ class Plan:
     def describe(self, limit: int = 10) -> str:
         """What would be read and written, for people (`--dry-run`; at any scale without a
         Plan: toolkit/plan_summary.py prints the same from sums)."""
-        from zeroshard.toolkit.plan_summary import describe_text
-
         pairs = np.unique(self.output * len(self.input_names) + self.input)  # (output, input) pairs
         inputs = np.bincount(pairs // max(len(self.input_names), 1), minlength=len(self.output_sizes))
         return describe_text(int(self.nbytes.sum()), int(self.written.sum()), len(np.unique(self.input)),

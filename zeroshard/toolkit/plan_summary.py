@@ -13,7 +13,7 @@ compares them on random layouts).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -22,33 +22,11 @@ from zeroshard.partition import span_overlaps
 from zeroshard.partition_arrays import holder_spans
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.plan import file_rows, rank_rows
+from zeroshard.toolkit.plan_text import describe_text, shown_outputs
 from zeroshard.toolkit.plans import FixedPlans, RankFilePlans, carried_tensors
 from zeroshard.toolkit.selection import OutputTensor
 
 ROWS_PER_BLOCK = 1 << 20  # output tensors summed at once (a few arrays of this length: tens of MB)
-
-
-def describe_text(read: int, written: int, inputs_used: int, inputs: int, output_sizes: Sequence[int], pieces: int,
-                  casts: Sequence[tuple[str, str] | None], pieces_of: Sequence[int] | np.ndarray,
-                  inputs_of: Callable[[int], int], name_of: Callable[[int], str], limit: int = 10) -> str:
-    """The dry run's text: totals, then the first and last outputs (limit // 2 each) with their
-    pieces and input files. `inputs_of` is asked only for the outputs shown."""
-    outputs = [i for i, size in enumerate(output_sizes) if size]  # files with no piece too
-    cast_text = ", ".join(f"{a} -> {b}" for a, b in casts[1:]) or "none"  # type: ignore[misc]
-    lines = [f"read {read:,} bytes from {inputs_used} of {inputs} input files",
-             f"write {sum(output_sizes[i] for i in outputs):,} bytes ({written:,} of tensor data) "
-             f"into {len(outputs)} files, in {pieces:,} pieces; casts: {cast_text}"]
-    for i in shown_outputs(output_sizes, limit):
-        if len(outputs) > limit and i == outputs[-(limit // 2)]:
-            lines.append(f"  ... {len(outputs) - 2 * (limit // 2)} more files")
-        lines.append(f"  {name_of(i)}: {output_sizes[i]:,} bytes, "
-                     f"{int(pieces_of[i]):,} pieces from {int(inputs_of(i)):,} input files")
-    return "\n".join(lines)
-
-
-def shown_outputs(output_sizes: Sequence[int], limit: int = 10) -> list[int]:
-    outputs = [i for i, size in enumerate(output_sizes) if size]
-    return outputs if len(outputs) <= limit else outputs[:limit // 2] + outputs[-(limit // 2):]
 
 
 class _Sums:
