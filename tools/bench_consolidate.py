@@ -11,8 +11,10 @@ turns its checkpoint into consolidated fp32 safetensors weights, as a fresh proc
 
 - zeroshard consolidate CKPT out.safetensors
 - DeepSpeed zero_to_fp32: convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)
-- DCP: torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files
-  (one output file: every tensor mapped to index 1)
+- DCP: torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files,
+  twice: as its defaults have it (one output file: every tensor mapped to index 1; num_threads=1),
+  and tuned as its docs allow: num_threads (its threads work on output files in parallel) at the
+  machine's core count, over as many output files, tensors split between them by size
 - baseline: `cat` of zeroshard's rank files into one file + `sync` (these hold the Adam state too:
   3x the bytes consolidate writes, so no target is attached; bench_scale holds the 1.2x target)
 
@@ -41,7 +43,20 @@ from bench_toolkit import timed  # noqa: E402  (wall, child peak RSS, CPU)
 DS_CONVERT = ("import sys; from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
               "c(sys.argv[1], sys.argv[2], safe_serialization=True, tag='t')")
 DCP_CONSOLIDATE = ("import json, sys; from torch.distributed.checkpoint._consolidate_hf_safetensors import "
-                   "consolidate_safetensors_files as c; c(sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])))")
+                   "consolidate_safetensors_files as c; "
+                   "c(sys.argv[1], sys.argv[2], json.load(open(sys.argv[3])), num_threads=int(sys.argv[4]))")
+
+
+def balanced_mapping(sizes: dict[str, int], files: int) -> dict[str, int]:
+    """Each tensor to one of `files` output files (1-based, as DCP's mapping counts), the largest
+    first into the emptiest file: DCP's threads each write whole output files."""
+    load = [0] * files
+    mapping = {}
+    for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        i = load.index(min(load))
+        mapping[name] = i + 1
+        load[i] += size
+    return mapping
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -77,6 +92,9 @@ def worker(args: argparse.Namespace) -> None:
                                                              fqn_to_index_mapping=mapping))
         if dist.get_rank() == 0:
             Path(args.dir, "mapping.json").write_text(json.dumps(mapping))
+            sizes = {k: v.numel() * v.element_size() for k, v in sd.items()}
+            tuned = balanced_mapping(sizes, benchlib.machine()["cores"])
+            Path(args.dir, "mapping-tuned.json").write_text(json.dumps(tuned))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -98,7 +116,7 @@ def check_outputs(outs: dict[str, Path]) -> None:
         return found
 
     want = shapes(outs["zs"])
-    for k in ("ds", "dcp"):
+    for k in ("ds", "dcp", "dcp_tuned"):
         got = shapes(outs[k])
         if got != want:
             raise SystemExit(f"{k}'s consolidated weights differ from zeroshard's: "
@@ -124,13 +142,16 @@ def main() -> None:
     zs_ckpt = work / "zs" / "t"
     weights = sum(f.stat().st_size for f in zs_ckpt.glob("*.safetensors"))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    outs = {k: work / f"out-{k}" for k in ("zs", "ds", "dcp", "cat")}
+    outs = {k: work / f"out-{k}" for k in ("zs", "ds", "dcp", "dcp_tuned", "cat")}
+    threads = benchlib.machine()["cores"]
     commands = {
         "zs": [sys.executable, "-m", "zeroshard.cli", "consolidate", "-q", "--overwrite", str(zs_ckpt),
                str(outs["zs"] / "model.safetensors")],
         "ds": [sys.executable, "-c", DS_CONVERT, str(work / "ds"), str(outs["ds"])],
         "dcp": [sys.executable, "-c", DCP_CONSOLIDATE, str(work / "dcp"), str(outs["dcp"]),
-                str(work / "dcp" / "mapping.json")],
+                str(work / "dcp" / "mapping.json"), "1"],
+        "dcp_tuned": [sys.executable, "-c", DCP_CONSOLIDATE, str(work / "dcp"), str(outs["dcp_tuned"]),
+                      str(work / "dcp" / "mapping-tuned.json"), str(threads)],
         "cat": f"cat {zs_ckpt}/*.safetensors > {outs['cat']}/all.bin && sync {outs['cat']}/all.bin",
     }
     rss: dict[str, int] = {}
@@ -157,14 +178,16 @@ def main() -> None:
         f"warm page cache, each tool a fresh process"))
     rep.data["load_before"] = load_before  # the report is made after the runs
     labels = {"zs": "zeroshard consolidate", "ds": "DeepSpeed zero_to_fp32 (safetensors)",
-              "dcp": "DCP consolidate_safetensors_files", "cat": "cat of the rank files (weights + Adam state) + sync"}
+              "dcp": "DCP consolidate_safetensors_files",
+              "dcp_tuned": f"DCP consolidate_safetensors_files, {threads} files, num_threads={threads}",
+              "cat": "cat of the rank files (weights + Adam state) + sync"}
     for k, label in labels.items():
         rep.runs(k, runs[k], label)
         rep.value(f"{k}_rss_MiB", rss[k] / 2**20, "MiB", f"{label}: peak RSS")
     # no target here: cat moves every byte of the rank files (weights AND Adam state, 3x what
     # consolidate writes); bench_scale's cat row, where the two move the same bytes, holds the 1.2x
     rep.ratio("zs_vs_cat", "zs", "cat", "zeroshard / cat of all rank files (3x the bytes) + sync")
-    for k in ("ds", "dcp"):
+    for k in ("ds", "dcp", "dcp_tuned"):
         rep.ratio(f"zs_vs_{k}", "zs", k, f"zeroshard / {labels[k]} time", "<= 0.5")
         rep.value(f"zs_vs_{k}_rss", rss["zs"] / rss[k], "x", f"zeroshard / {labels[k]} peak RSS", "<= 0.25")
     if weights < 1e9:
