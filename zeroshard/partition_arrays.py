@@ -54,10 +54,7 @@ def holders(numel, world_size, start, end) -> Overlaps:
     """partition.holders for many rows at once: for each row, a tensor of `numel[i]` elements
     split over `world_size[i]` ranks (scalars broadcast) and a range [start[i], end[i]) of it,
     every rank whose range overlaps that range. Empty rows yield nothing."""
-    start, end = _int64(start), _int64(end)
-    numel = np.broadcast_to(_int64(numel), start.shape)
-    chunk = np.broadcast_to(np.maximum(chunk_sizes(numel, world_size), 1), start.shape)
-    start, end = np.maximum(start, 0), np.minimum(end, numel)
+    numel, chunk, start, end = _rows(numel, world_size, start, end)
     first, count = _spans(chunk, start, end)
     row = np.repeat(np.arange(len(start)), count)
     rank = first[row] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
@@ -69,10 +66,17 @@ def holders(numel, world_size, start, end) -> Overlaps:
 def holder_spans(numel, world_size, start, end) -> tuple[np.ndarray, np.ndarray]:
     """(first, count) per row: the ranks `holders` lists for that row are first .. first + count - 1.
     What a dry run sums, without listing the overlaps (toolkit/plan_summary.py)."""
+    _, chunk, start, end = _rows(numel, world_size, start, end)
+    return _spans(chunk, start, end)
+
+
+def _rows(numel, world_size, start, end) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows as holders and holder_spans take them: numel and chunk size per row, the range
+    clamped to the tensor."""
     start, end = _int64(start), _int64(end)
     numel = np.broadcast_to(_int64(numel), start.shape)
     chunk = np.broadcast_to(np.maximum(chunk_sizes(numel, world_size), 1), start.shape)
-    return _spans(chunk, np.maximum(start, 0), np.minimum(end, numel))
+    return numel, chunk, np.maximum(start, 0), np.minimum(end, numel)
 
 
 def _spans(chunk: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
