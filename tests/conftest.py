@@ -14,6 +14,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def no_claim_left_beating():
+    """A claim's heartbeat thread that outlives its test is a claim never released or marked torn
+    (in the code or in the test); it keeps writing through fsspec's shared filesystem instances and
+    disturbs later tests (a CI run saw one overwrite a takeover and inflate another test's count)."""
+    import threading
+    import time
+
+    def beating() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("zeroshard-claim-") and t.is_alive()}
+
+    before = beating()
+    yield
+    deadline = time.monotonic() + 2.0  # a beat in flight finishes; its thread then returns
+    while (left := beating() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        pytest.fail(f"claim heartbeat left running after the test: {sorted(t.name for t in left)}")
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """Start tools/s3_server.py on a free 127.0.0.1 port; point AWS_* at it for this session."""

@@ -205,16 +205,23 @@ def test_a_claim_on_s3_beats_and_is_checked_before_commit(s3_bucket, monkeypatch
     monkeypatch.setattr(claim_module, "HEARTBEAT_S", 0.2)
     loc = Location(f"{s3_bucket}/out")
     claim = take_claim(loc)
-    first = json.loads(loc.read_bytes(CLAIM_NAME))
-    deadline = time.time() + 10
-    while json.loads(loc.read_bytes(CLAIM_NAME))["beat"] == first["beat"] and time.time() < deadline:
-        time.sleep(0.1)
-    assert json.loads(loc.read_bytes(CLAIM_NAME))["beat"] > first["beat"]
-    claim.check_held()
-    loc.write_bytes(CLAIM_NAME, json.dumps({"owner": OTHER_HOST, "time": time.time(), "nonce": "x"}).encode())
-    with pytest.raises(ClaimError, match="taken over"):
+    try:
+        first = json.loads(loc.read_bytes(CLAIM_NAME))
+        deadline = time.time() + 10
+        while json.loads(loc.read_bytes(CLAIM_NAME))["beat"] == first["beat"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert json.loads(loc.read_bytes(CLAIM_NAME))["beat"] > first["beat"]
         claim.check_held()
-    claim.release()
+        # The beat reads, then writes: a takeover landing between the two is overwritten (and then
+        # the taker's check_held refuses, so one writer still commits). Stopped here, so that the
+        # takeover below is not lost to that window; the beat's own refusal is checked after it.
+        claim.heartbeat.stop()
+        loc.write_bytes(CLAIM_NAME, json.dumps({"owner": OTHER_HOST, "time": time.time(), "nonce": "x"}).encode())
+        with pytest.raises(ClaimError, match="taken over"):
+            claim.check_held()
+        assert claim._beat() is False  # a beat stops once the claim is not its writer's
+    finally:
+        claim.release()
     assert json.loads(loc.read_bytes(CLAIM_NAME))["nonce"] == "x"
 
 
