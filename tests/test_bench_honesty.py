@@ -115,6 +115,24 @@ def test_train_notes_speak_only_of_methods_that_ran():
     assert ds == "Tuning, as run: DeepSpeed ZeRO-3 overlap_comm=True."
 
 
+def test_swept_buckets_pick_each_methods_fastest_size_alike():
+    args = argparse.Namespace(device="cpu", nproc=2, n_layer=8, n_embd=768, dtype="fp32", batch=8, steps=8,
+                              buckets="5e6,25e6")
+    runs = {"ddp@5M": 1300.0, "ddp@25M": 1000.0, "zs1@5M": 1100.0, "zs1@25M": 1400.0}
+    results = []
+    for method, ms in runs.items():
+        r = _train_result(method, "bucket_cap_mb=19.1 (--buckets)" if method.startswith("ddp") else "")
+        r["step_ms_rounds"] = [ms, ms * 1.1, ms * 0.9]
+        r["step_ms"] = ms
+        results.append(r)
+    data = bench_train.report(results, args).data
+    ratio = data["ratios"]["zs1_vs_ddp"]  # each side at its own fastest size: 1100 / 1000
+    assert ratio["median"] == pytest.approx(1.1) and "5M-element" in ratio["label"] and "25M-element" in ratio["label"]
+    note = next(n for n in data["notes"] if n.startswith("Bucket sizes swept"))
+    assert "DDP 5M 1.300 s, 25M 1.000 s: picked 25M" in note and "zeroshard stage 1 5M 1.100 s" in note
+    assert bench_train.split_method("ds2@0.5M") == ("ds2", 500_000)
+
+
 def test_start_up_keeps_every_run_not_the_fastest(monkeypatch):
     times = iter([0.9, 0.5, 0.7])
     monkeypatch.setattr(bench_scale, "timed", lambda cmd: (next(times), 0, 0.0))

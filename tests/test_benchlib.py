@@ -87,9 +87,13 @@ def test_report_json_holds_runs_ratios_machine_load_and_figures(tmp_path):
     rep.runs("ours", [1.0, 2.0, 3.0])
     rep.runs("base", [2.0, 2.0, 2.0])
     r = rep.ratio("ours_vs_base", "ours", "base", target="<= 1.2")
-    assert r["ratios"] == [0.5, 1.0, 1.5] and r["median"] == 1.0 and r["met"] is True
+    # the median meets 1.2, the upper quartile does not: not a target met, and the table says why
+    assert r["ratios"] == [0.5, 1.0, 1.5] and r["median"] == 1.0 and r["q3"] > 1.2 and r["met"] is False
+    assert benchlib.met_label(r) == "NOT MET (IQR crosses)"
+    wide = rep.ratio("ours_vs_base_wide", "ours", "base", target="<= 2")
+    assert wide["met"] is True and benchlib.met_label(wide) == "MET"
     s = rep.ratio("speedup", "ours", "base", invert=True, target=">= 1.5")
-    assert s["median"] == 1.0 and s["met"] is False
+    assert s["median"] == 1.0 and s["met"] is False and benchlib.met_label(s) == "NOT MET"
     rep.value("rss", 123.4, "MiB")
     out = rep.finish(tmp_path / "demo.json")
     data = json.loads(out.read_text())

@@ -92,7 +92,7 @@ def chart(data: dict, out: Path) -> bool:
         ax.plot([r["median"]], [y], "o", color="tab:blue")
         if r.get("target"):
             op, bound = r["target"].split()
-            ax.plot([float(bound)], [y], "|", color="tab:red" if not r.get("met") else "tab:green",
+            ax.plot([float(bound)], [y], "|", color="tab:green" if benchlib.met_label(r) == "MET" else "tab:red",
                      markersize=16, mew=2)
         ax.annotate(f"{r['median']:.1%}" if r.get("percent") else f"{r['median']:.2f}x", (r["median"], y),
                     textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)

@@ -2,6 +2,7 @@
 
     python tools/bench_train.py                      # default: 2 ranks, gloo, fp32, 3 rounds, ~5 min on 2 cores
     python tools/bench_train.py --n-layer 8 --n-embd 256 --steps 30 --methods ddp,zs3,fsdp2
+    python tools/bench_train.py --methods ddp,zs1,zs2,ds1,ds2 --buckets 5e6,25e6   # buckets swept alike
 
 One invocation launches one `torchrun --nproc-per-node N` per method, one after another, all
 with the same sample GPT (samples/gpt.py), the same initial weights, the same batches
@@ -18,6 +19,12 @@ with the same sample GPT (samples/gpt.py), the same initial weights, the same ba
   partitioned params, fp32 master partitions and optimizer state (approximate; see ds_memory).
 
 DeepSpeed rows run only when `import deepspeed` works in --ds-python (default: this Python).
+
+--buckets sweeps the gradient bucket size of every bucketed data-parallel method alike (DDP's
+bucket_cap_mb, zeroshard's and DeepSpeed's reduce/allgather bucket sizes, in fp32 elements): each
+method runs once per size per round (as METHOD@SIZE), each method's size with the lowest median
+step is its pick, and the paired ratios compare the picks. Stage 3 (zeroshard, FSDP2, DeepSpeed)
+gathers per Block and is not swept.
 Internal: `--worker METHOD --out FILE` is one rank's side, run under torchrun by the parent.
 """
 
@@ -40,9 +47,26 @@ sys.path.insert(0, str(REPO / "tools"))
 import benchlib  # noqa: E402
 
 ALL_METHODS = ["ddp", "fsdp2", "zs0", "zs1", "zs2", "zs3", "ds1", "ds2", "ds3"]
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "ds1": "DeepSpeed ZeRO-1",
-          "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3",
-          **{f"zs{k}": f"zeroshard stage {k}" for k in range(4)}}
+BASE_LABELS = {"ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "ds1": "DeepSpeed ZeRO-1",
+               "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3",
+               **{f"zs{k}": f"zeroshard stage {k}" for k in range(4)}}
+SWEPT = ("ddp", "zs0", "zs1", "zs2", "ds1", "ds2")  # the methods --buckets applies to
+
+
+def split_method(method: str) -> tuple[str, int]:
+    """"zs1@5M" -> ("zs1", 5_000_000); "zs1" -> ("zs1", 0): 0 is the method's own bucket size."""
+    base, _, size = method.partition("@")
+    return base, (int(float(size[:-1]) * 1e6) if size else 0)
+
+
+def with_bucket(base: str, elements: int) -> str:
+    return f"{base}@{elements / 1e6:g}M"
+
+
+def label(method: str) -> str:
+    base, bucket = split_method(method)
+    return BASE_LABELS[base] + (f" ({bucket / 1e6:g}M-element buckets)" if bucket else "")
+
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ddp-bucket-mb", type=float, default=0.0,
                    help="DDP bucket_cap_mb (0: a quarter of the model's fp32 bytes, so backward overlaps 4 "
                         "buckets' all-reduces instead of one bucket holding the whole model)")
+    p.add_argument("--buckets", default="",
+                   help="comma-separated gradient bucket sizes in fp32 elements (e.g. 5e6,25e6) swept for "
+                        + ", ".join(SWEPT) + " alike; each method's fastest size is its pick for the ratios")
     p.add_argument("--timeout", type=int, default=600, help="seconds per method launch")
     p.add_argument("--ds-python", default=sys.executable,
                    help="Python interpreter (with deepspeed and torch) for the DeepSpeed rows")
@@ -138,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
     from samples.data import get_batch, load_dataset
     from samples.gpt import GPT, GPTConfig, lm_loss
 
-    method = args.worker
+    method, bucket_elements = split_method(args.worker)
     cuda = args.device == "cuda"
     backend = "nccl" if cuda else "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -179,10 +206,12 @@ def worker(args: argparse.Namespace) -> None:
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        bucket = args.ddp_bucket_mb or max(0.05, n_params * 4 / 2**20 / 4)
+        bucket = (bucket_elements * 4 / 2**20 if bucket_elements else
+                  args.ddp_bucket_mb or max(0.05, n_params * 4 / 2**20 / 4))
         net = DDP(model, gradient_as_bucket_view=True, device_ids=[device.index] if cuda else None,
                   bucket_cap_mb=bucket)
-        tuning = f"bucket_cap_mb={bucket:.1f}" + (" (--ddp-bucket-mb)" if args.ddp_bucket_mb else
+        tuning = f"bucket_cap_mb={bucket:.1f}" + (" (--buckets)" if bucket_elements else
+                                                  " (--ddp-bucket-mb)" if args.ddp_bucket_mb else
                                                   " (a quarter of the model's fp32 bytes)")
         opt = adamw(net.parameters())
 
@@ -238,9 +267,11 @@ def worker(args: argparse.Namespace) -> None:
     elif method.startswith("zs"):
         import zeroshard
 
+        buckets = {"reduce_bucket_size": bucket_elements, "allgather_bucket_size": bucket_elements}
         engine = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config={
             "zero_optimization": {"stage": int(method[2:]),  # stage 3: per Block, as FSDP2 here
-                                  **({"stage3_unit_classes": ["Block"]} if method == "zs3" else {})},
+                                  **({"stage3_unit_classes": ["Block"]} if method == "zs3" else {}),
+                                  **(buckets if bucket_elements else {})},
             "bf16": {"enabled": bf16}, "fp16": {"enabled": False},
             "gradient_accumulation_steps": 1, "gradient_clipping": args.grad_clip,
         })
@@ -265,6 +296,8 @@ def worker(args: argparse.Namespace) -> None:
             engine.step()
 
         memory = zs_memory
+        if bucket_elements:
+            tuning = f"reduce_bucket_size=allgather_bucket_size={bucket_elements:g} (--buckets)"
 
     elif method.startswith("ds"):
         import deepspeed
@@ -277,8 +310,10 @@ def worker(args: argparse.Namespace) -> None:
             "gradient_clipping": args.grad_clip,
             # persistence threshold 0: shard every parameter at stage 3, as FSDP2 and zeroshard do
             # overlap_comm + contiguous_gradients: DeepSpeed's recommended ZeRO settings for speed
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "overlap_comm": True, "contiguous_gradients": True},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                  **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+                                  **({"reduce_bucket_size": bucket_elements, "allgather_bucket_size": bucket_elements}
+                                     if bucket_elements else {})},
             "bf16": {"enabled": bf16},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
@@ -340,7 +375,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(peaks, peak)
     if rank == 0:
         Path(args.out).write_text(json.dumps({
-            "method": method, "world_size": world, "n_params": n_params,
+            "method": args.worker, "world_size": world, "n_params": n_params,
             "step_ms": 1000 * max(m.item() for m in meds), "step_ms_per_rank": [1000 * m.item() for m in meds],
             "losses": losses, "final_loss": losses[-1], "peak_memory": peaks,
             "torch": torch.__version__, "device": str(device if not cuda else torch.cuda.get_device_name(device)),
@@ -425,7 +460,8 @@ def mib(n) -> str:
 
 
 def print_table(results: list[dict], args: argparse.Namespace) -> None:
-    base = next((r for r in results if r["method"] == "ddp" and "error" not in r), None)
+    ddp = pick({r["method"]: r for r in results if "error" not in r}, "ddp")
+    base = next((r for r in results if r["method"] == ddp and "error" not in r), None)
     n_params = next((r["n_params"] for r in results if "n_params" in r), 0)
     print()
     print(f"GPT {args.n_layer}L/{args.n_embd}d/{args.n_head}h, block {args.block_size}, "
@@ -433,14 +469,14 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
           f"({'NCCL, CUDA' if args.device == 'cuda' else 'gloo, CPU'}) | "
           f"{args.dtype} | AdamW lr {args.lr}, clip {args.grad_clip} | median of {args.steps} steps "
           f"after {args.warmup} warmup" + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
-    hdr = (f"{'method':<20} {'step ms':>8} {'x DDP':>6} {'final loss':>10} {'max|dloss| 1-10/all':>19}   "
+    hdr = (f"{'method':<34} {'step ms':>8} {'x DDP':>6} {'final loss':>10} {'max|dloss| 1-10/all':>19}   "
            f"{'model state MiB, rank 0: params/grads/optim = total':<52} {'total per rank':<16}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        label = LABELS.get(r["method"], r["method"])
+        name = label(r["method"])
         if "error" in r:
-            print(f"{label:<20} {r.get('error')}")
+            print(f"{name:<34} {r.get('error')}")
             continue
         ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"
         dloss = "-"
@@ -450,7 +486,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
         m0 = r["peak_memory"][0]
         breakdown = f"{mib(m0['params'])}/{mib(m0['grads'])}/{mib(m0['optimizer'])} = {mib(m0['total'])}"
         per_rank = " / ".join(mib(m["total"]) for m in r["peak_memory"])
-        print(f"{label:<20} {r['step_ms']:8.1f} {ratio:>6} {r['final_loss']:10.4f} {dloss:>19}   "
+        print(f"{name:<34} {r['step_ms']:8.1f} {ratio:>6} {r['final_loss']:10.4f} {dloss:>19}   "
               f"{breakdown:<52} {per_rank:<16}")
     if base:
         print(f"loss after step 1: {base['losses'][0]:.4f}. max|dloss|: largest |loss - DDP's loss| at the "
@@ -468,23 +504,27 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
         f"{benchlib.machine()['cores']} vCPUs, GPT {args.n_layer}L/{args.n_embd}d = {n_params / 1e6:.2f}M params, "
         f"{args.dtype}, global batch {args.batch}, step = median of {args.steps} steps per launch"))
     for m, r in ok.items():
-        rep.runs(m, [ms / 1000 for ms in r["step_ms_rounds"]], f"{LABELS[m]}: step")
+        rep.runs(m, [ms / 1000 for ms in r["step_ms_rounds"]], f"{label(m)}: step")
+    picks = {base: pick(ok, base) for base in ALL_METHODS}
     assessed = n_params >= 50e6  # the targets are written for step times set by compute, not Python
     pairs = [(f"zs{k}", "ddp", "<= 1.05" if k in (1, 2) and assessed else None) for k in (0, 1, 2)]
     # on gloo FSDP2 pays gloo's all-gather/reduce-scatter, which the engine avoids: a transport
     # artifact, so stage 3 / FSDP2 meets or misses a target only on a GPU (NCCL)
     pairs += [("zs3", "fsdp2", "<= 1.0" if assessed and args.device == "cuda" else None), ("fsdp2", "ddp", None)]
     pairs += [(f"ds{k}", "ddp", None) for k in (1, 2, 3)] + [("zs3", "ds3", None)]
-    for a, b, target in pairs:
-        if a in ok and b in ok and len(ok[a]["step_ms_rounds"]) == len(ok[b]["step_ms_rounds"]):
-            rep.ratio(f"{a}_vs_{b}", a, b, f"{LABELS[a]} / {LABELS[b]} step time", target)
+    for a, b, target in pairs:  # the ratio's key names the methods; its label, the bucket sizes picked
+        pa, pb = picks[a], picks[b]
+        if pa in ok and pb in ok and len(ok[pa]["step_ms_rounds"]) == len(ok[pb]["step_ms_rounds"]):
+            rep.ratio(f"{a}_vs_{b}", pa, pb, f"{label(pa)} / {label(pb)} step time", target)
     for m, r in ok.items():
-        rep.value(f"{m}_state_MiB", r["peak_memory"][0]["total"] / 2**20, "MiB", f"{LABELS[m]}: model state, rank 0")
+        rep.value(f"{m}_state_MiB", r["peak_memory"][0]["total"] / 2**20, "MiB", f"{label(m)}: model state, rank 0")
     for m, r in by_error(results).items():
-        rep.note(f"{LABELS[m]}: {r}")
+        rep.note(f"{label(m)}: {r}")
     note = tuning_note(ok)
     if note:
         rep.note(note)
+    if getattr(args, "buckets", ""):
+        rep.note(sweep_note(ok, picks))
     if "zs3_vs_fsdp2" in rep.data["ratios"] and args.device != "cuda":
         rep.note("Stage 3 / FSDP2 on gloo is a transport figure, not a win: FSDP2 runs gloo's all-gather and "
                  "reduce-scatter, which the engine avoids on gloo; no target is assessed on it.")
@@ -498,8 +538,29 @@ def report(results: list[dict], args: argparse.Namespace) -> benchlib.Report:
 def tuning_note(ok: dict[str, dict]) -> str:
     """The competitors' settings, from the methods that ran and what each recorded: nothing is
     said of a method that did not run."""
-    parts = [f"{LABELS[m]} {r['tuning']}" for m, r in ok.items() if not m.startswith("zs") and r.get("tuning")]
+    parts = [f"{label(m)} {r['tuning']}" for m, r in ok.items() if not m.startswith("zs") and r.get("tuning")]
     return "Tuning, as run: " + "; ".join(parts) + "." if parts else ""
+
+
+def pick(ok: dict[str, dict], base: str) -> str:
+    """The run that stands for `base` in the ratios: itself, or when its bucket size was swept, the
+    size with the lowest median step (every swept method is picked the same way)."""
+    if base in ok:
+        return base
+    swept = [m for m in ok if split_method(m)[0] == base]
+    return min(swept, key=lambda m: ok[m]["step_ms"]) if swept else base
+
+
+def sweep_note(ok: dict[str, dict], picks: dict[str, str]) -> str:
+    """What --buckets swept and what each method picked, from the runs themselves."""
+    parts = []
+    for base in SWEPT:
+        swept = sorted((m for m in ok if split_method(m)[0] == base), key=lambda m: split_method(m)[1])
+        if swept:
+            tried = ", ".join(f"{split_method(m)[1] / 1e6:g}M {ok[m]['step_ms'] / 1000:.3f} s" for m in swept)
+            parts.append(f"{BASE_LABELS[base]} {tried}: picked {split_method(picks[base])[1] / 1e6:g}M")
+    return ("Bucket sizes swept alike (fp32 elements; median step): " + "; ".join(parts) +
+            ". Stage 3 gathers per Block and was not swept.")
 
 
 def by_error(results: list[dict]) -> dict[str, str]:
@@ -520,6 +581,14 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {ALL_METHODS}")
+    try:
+        buckets = [int(float(b)) for b in args.buckets.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--buckets {args.buckets!r}: comma-separated element counts, e.g. 5e6,25e6") from None
+    if any(b < 1000 for b in buckets):
+        raise SystemExit(f"--buckets {args.buckets!r}: sizes are fp32 elements, at least 1000 each")
+    if buckets:  # every swept method once per size, each size its own row
+        methods = [with_bucket(m, b) if m in SWEPT else m for m in methods for b in (buckets if m in SWEPT else [0])]
 
     skipped = {}
     if any(m.startswith("zs") for m in methods):
@@ -542,12 +611,12 @@ def main(argv=None) -> int:
             if m in skipped:
                 if rnd == 0:
                     by_method[m] = {"method": m, "error": skipped[m]}
-                    print(f"[bench] {LABELS[m]}: {skipped[m]}", flush=True)
+                    print(f"[bench] {label(m)}: {skipped[m]}", flush=True)
                 continue
             if "error" in by_method.get(m, {}):
                 continue  # failed in an earlier round
             tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-            print(f"[bench] {LABELS[m]}{tag} ...", end=" ", flush=True)
+            print(f"[bench] {label(m)}{tag} ...", end=" ", flush=True)
             res = launch(m, args, args.ds_python if m.startswith("ds") else sys.executable)
             if "error" in res:
                 print(f"FAILED ({res['error']})\n{res.get('log_tail', '')}", flush=True)

@@ -91,6 +91,23 @@ def check(value: float, target: str) -> bool:
     raise InvalidArgumentError(f"target {target!r}: expected '<= N' or '>= N'")
 
 
+def met_in_spread(entry: dict) -> bool:
+    """A target is met when its median and both quartiles meet it: a median that meets it while
+    the IQR crosses it is a coin toss between runs, not a target met."""
+    return all(check(entry[k], entry["target"]) for k in ("median", "q1", "q3"))
+
+
+def met_label(entry: dict) -> str:
+    """The table's `met` cell, from the figures themselves (so every JSON renders by one rule)."""
+    if not entry.get("target"):
+        return ""
+    if "q1" not in entry:
+        return "MET" if check(entry["value"], entry["target"]) else "NOT MET"
+    if met_in_spread(entry):
+        return "MET"
+    return "NOT MET (IQR crosses)" if check(entry["median"], entry["target"]) else "NOT MET"
+
+
 def fmt_ratio(x: float) -> str:
     return f"{x:.2f}x"
 
@@ -130,12 +147,12 @@ def table(data: dict) -> str:
         lines.append(f"| {r['label']} | {fmt_seconds(r['median'])} | {fmt_seconds(r['q1'])} - "
                      f"{fmt_seconds(r['q3'])} | {r['n']} | | |")
     for r in data["ratios"].values():
-        met = "" if not r.get("target") else ("MET" if r["met"] else "NOT MET")
+        met = met_label(r)
         f = (lambda x: f"{x:.1%}") if r.get("percent") else fmt_ratio
         lines.append(f"| {r['label']} (paired ratio) | {f(r['median'])} | {f(r['q1'])} - "
                      f"{f(r['q3'])} | {r['n']} | {r.get('target') or ''} | {met} |")
     for v in data["values"].values():
-        met = "" if not v.get("target") else ("MET" if v["met"] else "NOT MET")
+        met = met_label(v)
         lines.append(f"| {v['label']} | {fmt_value(v['value'], v['unit'])} | | 1 | {v.get('target') or ''} | {met} |")
     return "\n".join(lines)
 
@@ -256,7 +273,7 @@ class Report:
         printed as 12.3%)."""
         entry = {"label": label, "ratios": list(ratios), **summary(ratios), "target": target, "percent": percent}
         if target:
-            entry["met"] = check(entry["median"], target)
+            entry["met"] = met_in_spread(entry)
         self.data["ratios"][name] = entry
         return entry
 
