@@ -103,3 +103,14 @@ def test_report_json_holds_runs_ratios_machine_load_and_figures(tmp_path):
     assert {"1.00x", "0.75x", "1.25x", "100.0%", "123 MiB", "2.000 s", "1.2x", "1.5x"} <= set(data["figures"])
     assert "0.50x" not in data["figures"]  # the lowest ratio, neither median nor quartile
     assert "NOT MET" in rep.table() and "| 1.00x |" in rep.table()
+
+
+def test_a_report_names_the_commit_its_runs_began_on(monkeypatch):
+    """A bench that commits (or whose tree is edited) while it runs reports the code it began with,
+    and says the tree moved before the report."""
+    monkeypatch.setattr(benchlib, "STARTED_COMMIT", {"sha": "a" * 40, "dirty": False, "how": "recorded"})
+    monkeypatch.setattr(benchlib, "commit", lambda: {"sha": "b" * 40, "dirty": False, "how": "recorded"})
+    data = benchlib.Report("demo", {}, scope="CPU, test").data
+    assert data["commit"]["sha"] == "a" * 40 and data["commit_at_report"]["sha"] == "b" * 40
+    monkeypatch.setattr(benchlib, "commit", lambda: benchlib.STARTED_COMMIT)
+    assert "commit_at_report" not in benchlib.Report("demo", {}, scope="CPU, test").data

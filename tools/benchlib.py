@@ -241,6 +241,10 @@ def commit() -> dict:
     return {"sha": sha, "dirty": None if status is None else bool(status), "how": "recorded"}
 
 
+# The code a bench ran is the code when it began, not when it reported: recorded at import.
+STARTED_COMMIT = commit()
+
+
 # ----------------------------------------------------------------------------- the report
 
 class Report:
@@ -250,9 +254,12 @@ class Report:
                  started: time.struct_time | None = None) -> None:
         """started: when the runs began (default: when this process imported benchlib)."""
         self.data: dict = {"schema": SCHEMA, "bench": bench, "args": args, "scope": scope, "cache": cache,
-                           "machine": machine(), "commit": commit(),
+                           "machine": machine(), "commit": STARTED_COMMIT,
                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", started or STARTED),
                            "load_before": loadavg(), "runs": {}, "ratios": {}, "values": {}, "notes": []}
+        now = commit()  # a bench that reports after its runs: code committed meanwhile did not run
+        if now != STARTED_COMMIT:
+            self.data["commit_at_report"] = now
 
     def runs(self, name: str, seconds: Sequence[float], label: str = "") -> dict:
         """The seconds of every measured run of one side (warm-up runs already dropped)."""

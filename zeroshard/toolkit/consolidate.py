@@ -188,14 +188,22 @@ def prepare(folder: Location, names: list[str], single_file: bool, overwrite: bo
 def _write(source: Location, manifest: Manifest, stage: Location, names: list[str],
            shards: list[list[OutputTensor]], progress, workers: int) -> None:
     """The files, under `stage` (transfer.write_plan). Local ones are created first and filled by
-    tasks of consecutive pieces, so workers share even a single big file; then moved to their names."""
-    from zeroshard.toolkit.plan import plan_files  # numpy: when a copy starts
+    tasks of consecutive pieces, so workers share even a single big file, a part of the plan at a
+    time (plan_file_parts: memory bounded at any world size); then moved to their names."""
+    from zeroshard.toolkit.plan import plan_file_parts, plan_files  # numpy: when a copy starts
 
-    plan = plan_files(manifest, names, shards)
-    created = create_outputs(stage, plan) if stage.local else []
+    if not stage.local:  # streamed, object by object, from the whole plan (not yet bounded: docs/SCALE.md)
+        write_plan(source, manifest, stage, plan_files(manifest, names, shards), workers, progress)
+        return
+    parts = plan_file_parts(manifest, names, shards)
+    part = next(parts)
+    created = create_outputs(stage, part)
     try:
-        write_plan(source, manifest, stage, plan, workers, progress, {i: f.temp_path for i, f in enumerate(created)})
-        commit(stage, created, durable=True)  # (S3: none created, every object durable once written)
+        temp_paths = {i: f.temp_path for i, f in enumerate(created)}
+        while part is not None:
+            write_plan(source, manifest, stage, part, workers, progress, temp_paths)
+            part = next(parts, None)
+        commit(stage, created, durable=True)
     except BaseException:
         discard(created)
         raise

@@ -16,7 +16,7 @@ Outputs are rank files at a world size (reshard) or whole-tensor files (consolid
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -126,10 +126,54 @@ def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> lis
             for part in plan.split(parts, whole_outputs)]
 
 
+def rank_file_tasks(outputs: RankFilePlans, input_world: int, workers: int = 1) -> list[Task]:
+    """Tasks of consecutive whole rank files, each left to plan its own pieces (Task.plan None), so
+    that nothing holds the pieces of every output at once: a reshard 16,384 -> 16,000 of 300
+    tensors has ~10M pieces (over 600 MB as arrays), a task at most PIECE_BUDGET. Sized as
+    split_tasks sizes tasks, by the pieces each output is expected to need (a fragment spans about
+    input_world / world_size + 1 input files) and, for small outputs, the bytes written."""
+    layouts = outputs.layouts
+    span = input_world // outputs.world_size + 2
+    sizes = [layouts.file_size(r) for r in range(outputs.world_size)]
+    pieces = [len(layouts.rank_layout(r).tensors) * span for r in range(outputs.world_size)]
+    small = sum(sizes) <= TASK_BYTES // 4 * max(sum(1 for s in sizes if s), 1)
+    parts = max(-(-sum(pieces) // PIECE_BUDGET), -(-sum(sizes) // TASK_BYTES) if small else 1,
+                4 * workers * (workers > 1))
+    piece_cap, byte_cap = -(-sum(pieces) // parts), (-(-sum(sizes) // parts) if small else None)
+    tasks, ranks, held, written = [], [], 0, 0
+    for r in range(outputs.world_size):
+        if ranks and (held + pieces[r] > piece_cap or (byte_cap is not None and written + sizes[r] > byte_cap)):
+            tasks.append(Task(ranks))
+            ranks, held, written = [], 0, 0
+        ranks.append(r)
+        held, written = held + pieces[r], written + sizes[r]
+    return tasks + ([Task(ranks)] if ranks else [])
+
+
 def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]]) -> Plan:
     """Whole tensors into files `names` (consolidate): shard i's tensors, back to back, in file i."""
     plans, casts, rows = file_rows(manifest, names, shards)
     return _plan(manifest, FixedPlans(plans), [p.size for p in plans], casts, *rows)
+
+
+def plan_file_parts(manifest: Manifest, names: Sequence[str],
+                    shards: Sequence[Sequence[OutputTensor]]) -> Iterator[Plan]:
+    """plan_files in parts of consecutive output tensors, planned one at a time, each of about
+    PIECE_BUDGET pieces at most (a flat tensor is cut into at most one piece per input rank): a
+    consolidate of 300 tensors from 16,000 ranks has 4.8M pieces, a part at most the budget.
+    Every part describes every output (outputs created up front are filled part by part)."""
+    plans, casts, rows = file_rows(manifest, names, shards)
+    outputs, sizes = FixedPlans(plans), [p.size for p in plans]
+    flat = [t.layout == "flat" for t in manifest.tensors.values()]
+    first, held = 0, 0
+    for row, tensor in enumerate(rows[1].tolist()):
+        pieces = manifest.world_size if flat[tensor] else 1
+        if row > first and held + pieces > PIECE_BUDGET:
+            yield _plan(manifest, outputs, sizes, casts, *(column[first:row] for column in rows))
+            first, held = row, 0
+        held += pieces
+    if len(rows[1]) > first or not len(rows[1]):
+        yield _plan(manifest, outputs, sizes, casts, *(column[first:] for column in rows))
 
 
 def file_rows(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]],

@@ -126,7 +126,6 @@ class Finished:
     temp_path: str
     size: int
     file_hash: str = ""
-    fragment_hashes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

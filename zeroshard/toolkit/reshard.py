@@ -21,9 +21,9 @@ from zeroshard.format import OpenedCheckpoint, RankFileResult, build_manifest, o
 from zeroshard.format.manifest import Manifest, TensorEntry
 from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.storage.location import Location
-from zeroshard.toolkit.plans import carried_tensors
+from zeroshard.toolkit.plans import RankFilePlans, carried_tensors
 from zeroshard.toolkit.progress import byte_bar
-from zeroshard.toolkit.transfer import write_plan
+from zeroshard.toolkit.transfer import write_plan, write_rank_files
 from zeroshard.toolkit.workers import auto_workers
 
 
@@ -83,10 +83,14 @@ def reshard(ckpt: str | OpenedCheckpoint, world_size: int, out: str | None = Non
     if workers is None:
         workers = auto_workers(manifest.world_size + world_size, total)
     with byte_bar(total, f"reshard {manifest.world_size} -> {world_size}", quiet) as bar:
-        from zeroshard.toolkit.plan import plan_rank_files  # numpy: when a copy starts
+        outputs = RankFilePlans(specs, world_size, checkpoint_id)
+        if output.stage.local:  # each task plans its own outputs' pieces: bounded at any world size
+            results = write_rank_files(source, manifest, output.stage, outputs, workers, bar.update, total)
+        else:  # streamed, object by object, from the whole plan (not yet bounded: docs/SCALE.md)
+            from zeroshard.toolkit.plan import plan_ranks  # numpy: when a copy starts
 
-        plan = plan_rank_files(manifest, specs, world_size, checkpoint_id)
-        results = write_plan(source, manifest, output.stage, plan, workers, bar.update)
+            plan = plan_ranks(manifest, outputs, range(world_size))
+            results = write_plan(source, manifest, output.stage, plan, workers, bar.update)
     new = commit_resharded(output, manifest, specs, world_size, results, checkpoint_id, out_root, sync_files=True)
     return ReshardResult(new, target, dropped)
 

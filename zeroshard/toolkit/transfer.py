@@ -66,7 +66,25 @@ def write_plan(source: Location, manifest: Manifest, stage: Location, plan: Plan
     job = Job(source.url, source.storage_options, manifest, stage.url, plan.outputs, temp_paths or {})
     tasks = split_tasks(plan, procs * max(workers, 1), whole_outputs=not temp_paths)[rank::procs]
     finished = run_and_commit(job, tasks, workers, progress, int(plan.written.sum()), sync)
-    return [RankFileResult(FileEntry(f.name, out_rank, f.size, f.file_hash), f.fragment_hashes)
+    return _rank_file_results(finished)
+
+
+def write_rank_files(source: Location, manifest: Manifest, stage: Location, outputs: RankFilePlans,
+                     workers: int = 1, progress: Callable[[int], None] | None = None,
+                     total_bytes: int = 0) -> list[RankFileResult]:
+    """A local reshard's rank files under `stage` (synced by the commit): tasks of consecutive outputs, each
+    planning its own pieces (plan.rank_file_tasks), so memory is bounded by a task, not by the
+    world sizes. Remote stages take write_plan's streamed path."""
+    from zeroshard.toolkit.plan import rank_file_tasks  # numpy: when a copy starts
+
+    job = Job(source.url, source.storage_options, manifest, stage.url, outputs)
+    tasks = rank_file_tasks(outputs, manifest.world_size, max(workers, 1))
+    return _rank_file_results(run_and_commit(job, tasks, workers, progress, total_bytes))
+
+
+def _rank_file_results(finished: dict[int, Finished]) -> list[RankFileResult]:
+    # the fragment hashes are in each file's hash table; the manifest needs only the file entries
+    return [RankFileResult(FileEntry(f.name, out_rank, f.size, f.file_hash), {})
             for out_rank, f in sorted(finished.items())]
 
 
@@ -312,8 +330,7 @@ def _finish(plan: OutputPlan, out: MappedOutput, taken: InOrderHashes | None) ->
     table = hash_table_bytes(hashes)
     out.view[table_begin:plan.size] = table
     file_hash = (taken and taken.file_hash(table_begin, table)) or _hash_region(out, 0, plan.size)
-    return Finished(plan.name, out.temp_path, plan.size, file_hash,
-                    {t.name: h for t, h in zip(plan.tensors, hashes)})
+    return Finished(plan.name, out.temp_path, plan.size, file_hash)
 
 
 def _hash_region(out: MappedOutput, begin: int, end: int) -> str:
