@@ -32,7 +32,7 @@ import bench_charts  # noqa: E402
 import benchlib  # noqa: E402
 
 FIGURE = re.compile(r"(?<![\w.,/])\d[\d,]*(?:\.\d+)?(?:x\b|%|(?: (?:s|ms|kB|MB|GB|MiB|GiB)\b))")
-MARKER = re.compile(r"<!-- (tools/results/[\w/]+\.json):([\w.-]+) -->")
+MARKER = re.compile(r"<!-- (tools/results/[\w/]+\.json):([\w.@-]+) -->")  # @: a swept size (zs1@5M)
 WORDS = re.compile(r"\b(?:twice|thrice|half as|(?:two|three|four|five|six|seven|eight|nine|ten|a hundred) times"
                    r"|a (?:third|quarter|fifth|sixth|seventh|eighth|ninth|tenth) of|an order of magnitude)\b", re.I)
 BEST_OF = re.compile(r"(?:^|[._])(?:min|max|best|fastest|lowest)(?:$|[._])")

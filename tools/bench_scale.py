@@ -12,6 +12,8 @@ Each command runs as its own process, interleaved with a baseline doing the same
 - consolidate           vs `cat` of every rank file into ONE file + `sync` (target <= 1.2x: it reads
                         every rank file and writes one file, as cat does)
 - verify                vs `cat` of every rank file to /dev/null          (target <= 2x)
+- shard -> to           vs reshard ranks -> to, which writes the same files (target <= 1.2x;
+                        only with --only ...,shard: the model file is kept for it)
 
 Reported: the median and IQR of the paired ratios (command / baseline, per repeat), the peak RSS
 of each command, and (--in-process) its time after interpreter start-up and imports.
@@ -50,6 +52,9 @@ import benchlib  # noqa: E402
 
 from bench_toolkit import timed  # noqa: E402  (same measuring: wall, child peak RSS, CPU)
 
+# issue 55: a command's peak RSS stays under this at 1,024, 4,096 and 16,384 ranks alike
+RSS_BOUND_MIB = 256
+
 
 def zeroshard(*args: str) -> list[str]:
     return [sys.executable, "-m", "zeroshard.cli", *args, "-q"]
@@ -58,7 +63,8 @@ def zeroshard(*args: str) -> list[str]:
 # The modules each command imports before it touches the checkpoint (start-up, a fixed cost).
 MODULES = {"reshard": "zeroshard.toolkit.reshard zeroshard.toolkit.packed",
            "consolidate": "zeroshard.toolkit.consolidate zeroshard.toolkit.gather",
-           "verify": "zeroshard.toolkit.verify"}
+           "verify": "zeroshard.toolkit.verify",
+           "shard": "zeroshard.toolkit.shard zeroshard.toolkit.shard_packed"}
 
 IN_PROCESS = """
 import importlib, sys, time
@@ -98,15 +104,16 @@ def start_up(command: str, repeat: int) -> list[float]:
     return [timed([sys.executable, "-c", code])[0] for _ in range(repeat)]
 
 
-def build(path: Path, tensors: int, numel: int, world: int) -> float:
-    """A `world`-rank checkpoint of `tensors` fp32 tensors of `numel` elements; returns build seconds."""
+def build(path: Path, tensors: int, numel: int, world: int, keep_model: bool = False) -> float:
+    """A `world`-rank checkpoint of `tensors` fp32 tensors of `numel` elements; returns build seconds.
+    keep_model: the model file it is sharded from stays, as model_of(path)."""
     code = f"""
 import numpy as np, sys
 from safetensors.numpy import save_file
 save_file({{f"layer.{{i}}.weight": np.random.default_rng(i).standard_normal({numel}, dtype=np.float32)
            for i in range({tensors})}}, sys.argv[1])
 """
-    model = path.parent / f"{path.name}-model.safetensors"
+    model = model_of(path)
     subprocess.run([sys.executable, "-c", code, str(model)], check=True)
     subprocess.run(zeroshard("shard", str(model), str(path) + "-w1", "--world", "1"), check=True, capture_output=True)
     start = time.perf_counter()
@@ -114,8 +121,13 @@ save_file({{f"layer.{{i}}.weight": np.random.default_rng(i).standard_normal({num
                    capture_output=True)
     elapsed = time.perf_counter() - start
     shutil.rmtree(str(path) + "-w1")
-    model.unlink()
+    if not keep_model:
+        model.unlink()
     return elapsed
+
+
+def model_of(path: Path) -> Path:
+    return path.parent / f"{path.name}-model.safetensors"
 
 
 PLAN_ONE_RANK = """
@@ -260,7 +272,7 @@ def main() -> None:
         print("\n" + rep.table() + f"\n\nraw JSON: {rep.finish(args.json or default)}")
         return
 
-    built = build(ckpt, args.tensors, args.numel, args.ranks)
+    built = build(ckpt, args.tensors, args.numel, args.ranks, keep_model="shard" in args.only.split(","))
     manifest_bytes = (ckpt / "zeroshard.json").stat().st_size
     files = sorted(ckpt.iterdir())
     total = sum(f.stat().st_size for f in files)
@@ -285,6 +297,11 @@ def main() -> None:
          f"cat {ckpt}/*.safetensors > {work}/cat.bin && sync {work}/cat.bin", "cat of the rank files + sync"),
         ("verify", "verify", 2.0, lambda j: zeroshard("verify", str(ckpt), "-j", str(j)),
          f"cat {ckpt}/*.safetensors > /dev/null", "cat > /dev/null"),
+        # shard writes the files a reshard to the same world size writes: that reshard is its baseline
+        ("shard", f"shard -> {args.to}", 1.2, lambda j: zeroshard("shard", str(model_of(ckpt)), str(out), "--world",
+                                                                   str(args.to)),
+         zeroshard("reshard", str(ckpt), "--to", str(args.to), "-o", str(out), "-j", "1"),
+         f"reshard {args.ranks} -> {args.to} (the same files)"),
     ]
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     rss: dict[str, int] = {}
@@ -307,7 +324,8 @@ def main() -> None:
             key = f"{command}_j{j}"
             rep.runs(key, runs[key], f"zeroshard {name}, -j {j}")
             rep.ratio(f"{key}_vs_base", key, f"{command}_base", f"{name} -j {j} / {base_label}", f"<= {bar:g}")
-            rep.value(f"{key}_rss_MiB", rss[key] / 2**20, "MiB", f"{name} -j {j}: peak RSS")
+            rep.value(f"{key}_rss_MiB", rss[key] / 2**20, "MiB", f"{name} -j {j}: peak RSS",
+                      f"<= {RSS_BOUND_MIB}")
             if args.in_process:
                 clean()
                 rep.value(f"{key}_in_process_s", in_process(ours(j)), "s", f"{name} -j {j}: after start-up")
@@ -315,6 +333,7 @@ def main() -> None:
                  f"{command}: interpreter + imports alone")
     clean()
     shutil.rmtree(ckpt)
+    model_of(ckpt).unlink(missing_ok=True)
 
     if not args.skip_part2:
         big = work / "plan"

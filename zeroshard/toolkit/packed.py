@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 from zeroshard.errors import StorageError
+from zeroshard.format.layouts import RankLayouts
 from zeroshard.format.manifest import rank_file_name
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.gather import copy_pieces, read_whole
@@ -60,15 +61,8 @@ def run_packed(job: Job, planner: RankFilePlans, task: Task,
     manifest, layouts, ranks = job.manifest, planner.layouts, sorted(task.outputs)
     plan = task.plan if task.plan is not None else plan_ranks(manifest, planner, ranks)  # pieces (toolkit.plan)
 
-    # Outputs: headers, sizes, places in one buffer (8-aligned, so element views line up).
-    headers = [layouts.header(r) for r in ranks]
     sizes = [plan.output_sizes[r] for r in ranks]
-    bases = np.cumsum([0] + [-(-s // 8) * 8 for s in sizes])
-    out_buf = bytearray(int(bases[-1]))
-    for h, b in zip(headers, bases.tolist()):
-        out_buf[b:b + len(h)] = h
-    out_at = np.zeros(planner.world_size, dtype=np.int64)
-    out_at[ranks] = bases[:-1]
+    out_buf, out_at = output_buffer(layouts, ranks, sizes)
 
     # Inputs: each read whole, checked, placed in one buffer (gather.read_whole).
     needed = np.unique(plan.input)
@@ -82,34 +76,53 @@ def run_packed(job: Job, planner: RankFilePlans, task: Task,
     copy_pieces(out_buf, in_buf, in_at[plan.input] + plan.input_offset, out_at[plan.output] + plan.output_offset,
                 plan.nbytes)
     del in_buf
+    finished = write_outputs(Location(job.target_url, job.storage_options), layouts, ranks, sizes, out_buf, out_at)
+    if progress is not None:
+        progress(sum(f.size for f in files))
+    return finished
 
-    # Hash table and file hash of each output, then one write each.
+
+def output_buffer(layouts: RankLayouts, ranks: list[int], sizes: list[int]) -> tuple[bytearray, np.ndarray]:
+    """One buffer for the outputs `ranks` (ascending) of `sizes` bytes, each 8-aligned (so element
+    views line up) with its header in place; and each output's offset in it, indexed by rank."""
+    bases = np.cumsum([0] + [-(-s // 8) * 8 for s in sizes])
+    out_buf = bytearray(int(bases[-1]))
+    for r, b in zip(ranks, bases.tolist()):
+        header = layouts.header(r)
+        out_buf[b:b + len(header)] = header
+    out_at = np.zeros(layouts.world_size, dtype=np.int64)
+    out_at[ranks] = bases[:-1]
+    return out_buf, out_at
+
+
+def write_outputs(target: Location, layouts: RankLayouts, ranks: list[int], sizes: list[int], out_buf: bytearray,
+                  out_at: np.ndarray) -> dict[int, Finished]:
+    """Each output's hash table and file hash, then one write each to a new temp file in `target`
+    (synced later, with the others); on failure none is left."""
     view = memoryview(out_buf)
-    target = Location(job.target_url, job.storage_options)
     target.makedirs()
     finished: dict[int, Finished] = {}
     try:
-        for k, r in enumerate(ranks):
-            run, data_at = layouts.rank_layout(r), int(bases[k]) + len(headers[k])
+        for r, size in zip(ranks, sizes):
+            run, base = layouts.rank_layout(r), int(out_at[r])
+            data_at = base + layouts.header_length(r)
             _, begin, nbytes = run_arrays(run)
             begin = begin + data_at  # maps, not a Python loop: 300,000 fragments in a 1,000-rank task
             hashes = np.fromiter(map(xxhash.xxh3_64_intdigest, map(view.__getitem__, map(
                 slice, begin.tolist(), (begin + nbytes).tolist()))), dtype=np.uint64, count=len(begin))
             table = data_at + run.table_begin
             out_buf[table:table + 8 * len(hashes)] = hashes.astype("<u8").tobytes()
-            data = view[int(bases[k]):int(bases[k]) + sizes[k]]
-            name = rank_file_name(r, planner.world_size)
-            temp = target.temp_name(name)  # one write to a new file; synced later, with the others
+            data = view[base:base + size]
+            name = rank_file_name(r, layouts.world_size)
+            temp = target.temp_name(name)
             if not target.create_exclusive(temp, data, durable=False):
                 raise StorageError(target.url_of(temp), "exists already")  # a fresh random name: never expected
             # fragment hashes are in the file's table; nothing downstream needs them again here
-            finished[r] = Finished(name, target.full_path(temp), sizes[k], xxhash.xxh3_64_hexdigest(data))
+            finished[r] = Finished(name, target.full_path(temp), size, xxhash.xxh3_64_hexdigest(data))
     except BaseException:
         for done in finished.values():
             with contextlib.suppress(StorageError):
                 target.remove(done.temp_path.rsplit("/", 1)[-1])
         raise
-    if progress is not None:
-        progress(sum(f.size for f in files))
     return finished
 

@@ -211,6 +211,15 @@ def rank_rows(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int],
               sizes: list[int]) -> tuple[np.ndarray, ...]:
     """The output tensors of rank files `ranks` as rows (output, input tensor index, elements
     [start, end), output byte offset); each rank's file size into `sizes[rank]`."""
+    out, tid, start, end, begin = output_rows(outputs, ranks, sizes)
+    index = {name: i for i, name in enumerate(manifest.tensors)}
+    to_input = np.array([index[t.name] for t in outputs.layouts.tensors], dtype=np.int64)
+    return out, to_input[tid], start, end, begin
+
+
+def output_rows(outputs: RankFilePlans, ranks: Sequence[int], sizes: list[int]) -> tuple[np.ndarray, ...]:
+    """rank_rows with each row's tensor as an index into `outputs.layouts.tensors` (no input
+    checkpoint needed: `shard` fills them from a model file)."""
     layouts, ranks = outputs.layouts, list(ranks)
     runs = [layouts.rank_layout(r) for r in ranks]
     heads = [layouts.header_length(r) for r in ranks]
@@ -226,9 +235,7 @@ def rank_rows(manifest: Manifest, outputs: RankFilePlans, ranks: Sequence[int],
     numel, itemsize = (np.array([getattr(t, k) for t in tensors], dtype=np.int64)[tid] for k in ("numel", "itemsize"))
     start = np.where(np.array([t.layout == "flat" for t in tensors], dtype=bool)[tid],
                      shard_ranges(numel, outputs.world_size, out)[0], 0)
-    index = {name: i for i, name in enumerate(manifest.tensors)}
-    to_input = np.array([index[t.name] for t in tensors], dtype=np.int64)
-    return out, to_input[tid], start, start + nbytes // itemsize, begin
+    return out, tid, start, start + nbytes // itemsize, begin
 
 
 def run_arrays(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

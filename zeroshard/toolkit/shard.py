@@ -1,6 +1,7 @@
 """`zeroshard shard`: a full model into an N-rank checkpoint (weights only, no optimizer state).
 
 Each rank file is streamed from ranged reads of the source: memory stays at one copy buffer.
+Many small rank files from a local model are built a task at a time instead (shard_packed.py).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import uuid
 from contextlib import ExitStack
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.format import TensorSpec, build_manifest, rank_contents, write_rank_file
+from zeroshard.format import RankFileResult, TensorSpec, build_manifest, rank_contents, write_rank_file
 from zeroshard.format.full_model import SourceTensor, read_source_range, stripped_names
 from zeroshard.format.manifest import Manifest
-from zeroshard.format.output import output_transaction, prepare_output
+from zeroshard.format.output import PreparedOutput, output_transaction, prepare_output
 from zeroshard.format.reader import chunk_bytes_for
 from zeroshard.interop.pickled_model import open_model
 from zeroshard.storage.location import Location
+from zeroshard.toolkit.plans import RankFilePlans
 from zeroshard.toolkit.progress import byte_bar
 
 
@@ -40,6 +42,13 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
     output = prepare_output(target, overwrite, inputs=[Location(src, storage_options)])  # docs/SAFETY.md
     checkpoint_id = uuid.uuid4().hex
     total = sum(t.end - t.begin for t in tensors)
+    outputs = RankFilePlans(specs, world_size, checkpoint_id)
+    from zeroshard.toolkit import shard_packed  # numpy: when a copy starts
+
+    if shard_packed.fits(folder, output.stage, outputs):  # many small files: built a task at a time
+        with byte_bar(total, f"shard -> {world_size} ranks", quiet) as bar:
+            results = shard_packed.write_packed(folder, by_name, outputs, output.stage, bar.update)
+        return _commit(output, specs, world_size, results, checkpoint_id, src, notes)
     with ExitStack() as stack:
         readers = {}
 
@@ -59,6 +68,12 @@ def shard(src: str, out: str, world_size: int, *, overwrite: bool = False, stora
                                        rank_contents(specs, world_size, rank), fill,
                                        durable=False, write_behind=True)
                        for rank in range(world_size)]
+    return _commit(output, specs, world_size, results, checkpoint_id, src, notes)
+
+
+def _commit(output: PreparedOutput, specs: list[TensorSpec], world_size: int, results: list[RankFileResult],
+            checkpoint_id: str, src: str, notes: list | dict | None) -> Manifest:
+    """The manifest vouching for the rank files, committed once they are durable."""
     manifest = build_manifest(specs, world_size, results, checkpoint_id, tag="shard",
                               extra={"source": src, **({"source_notes": notes} if notes else {})})
     output.commit_checkpoint(manifest, sync_files=True)
