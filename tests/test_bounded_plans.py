@@ -68,12 +68,12 @@ def test_tasks_cover_every_rank_once_in_order_within_the_budget(tmp_path, monkey
     assert len(rank_file_tasks(outputs, input_world=48, workers=2)) >= 8  # a few tasks per worker
 
 
-@pytest.mark.parametrize("max_shard_size", [None, "40KB"])
-def test_a_consolidate_planned_in_parts_writes_the_same_bytes(tmp_path, monkeypatch, max_shard_size):
+@pytest.mark.parametrize("max_shard_size,dtype", [(None, None), ("40KB", None), (None, "bf16")])
+def test_a_consolidate_planned_in_parts_writes_the_same_bytes(tmp_path, monkeypatch, max_shard_size, dtype):
     specs, data = training_state()
     write_checkpoint(str(tmp_path / "w5"), specs, data, 5, rng=False)
     out = "one.safetensors" if max_shard_size is None else "hf"
-    consolidate(str(tmp_path / "w5"), str(tmp_path / "whole" / out), max_shard_size=max_shard_size)
+    consolidate(str(tmp_path / "w5"), str(tmp_path / "whole" / out), max_shard_size=max_shard_size, dtype=dtype)
     parts = []
     original = plan_module._plan
 
@@ -82,9 +82,11 @@ def test_a_consolidate_planned_in_parts_writes_the_same_bytes(tmp_path, monkeypa
         return parts[-1]
 
     monkeypatch.setattr(plan_module, "_plan", counted)
-    monkeypatch.setattr(plan_module, "PIECE_BUDGET", 12)  # a few tensors a part
-    consolidate(str(tmp_path / "w5"), str(tmp_path / "parts" / out), max_shard_size=max_shard_size)
-    assert len(parts) > 2 and max(len(p) for p in parts) <= 12
+    monkeypatch.setattr(plan_module, "PIECE_BUDGET", 12)  # a band of one input rank a part
+    consolidate(str(tmp_path / "w5"), str(tmp_path / "parts" / out), max_shard_size=max_shard_size, dtype=dtype)
+    assert len(parts) > 2  # each part reads its own band of input files, none read twice
+    read = [set(p.input.tolist()) for p in parts]
+    assert sum(len(r) for r in read) == len(set().union(*read)) == 5
     whole = sorted(p.relative_to(tmp_path / "whole") for p in (tmp_path / "whole").rglob("*") if p.is_file())
     split = sorted(p.relative_to(tmp_path / "parts") for p in (tmp_path / "parts").rglob("*") if p.is_file())
     assert whole == split and len(whole) >= 1

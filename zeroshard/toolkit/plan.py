@@ -23,7 +23,7 @@ import numpy as np
 from zeroshard.errors import InvalidArgumentError
 from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
-from zeroshard.partition_arrays import holders, shard_ranges
+from zeroshard.partition_arrays import chunk_sizes, holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.plan_text import describe_text
 from zeroshard.toolkit.plans import (
@@ -158,22 +158,34 @@ def plan_files(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequen
 
 def plan_file_parts(manifest: Manifest, names: Sequence[str],
                     shards: Sequence[Sequence[OutputTensor]]) -> Iterator[Plan]:
-    """plan_files in parts of consecutive output tensors, planned one at a time, each of about
-    PIECE_BUDGET pieces at most (a flat tensor is cut into at most one piece per input rank): a
-    consolidate of 300 tensors from 16,000 ranks has 4.8M pieces, a part at most the budget.
-    Every part describes every output (outputs created up front are filled part by part)."""
+    """plan_files in parts, planned one at a time: each of the pieces from one band of consecutive
+    input ranks, about PIECE_BUDGET pieces at most (a flat tensor has at most one piece per input
+    rank), so that each input file is read by one part only. A consolidate of 300 tensors from
+    16,000 ranks has 4.8M pieces: ten parts of 1,600 ranks. Every part describes every output
+    (outputs created up front are filled part by part)."""
     plans, casts, rows = file_rows(manifest, names, shards)
     outputs, sizes = FixedPlans(plans), [p.size for p in plans]
-    flat = [t.layout == "flat" for t in manifest.tensors.values()]
-    first, held = 0, 0
-    for row, tensor in enumerate(rows[1].tolist()):
-        pieces = manifest.world_size if flat[tensor] else 1
-        if row > first and held + pieces > PIECE_BUDGET:
-            yield _plan(manifest, outputs, sizes, casts, *(column[first:row] for column in rows))
-            first, held = row, 0
-        held += pieces
-    if len(rows[1]) > first or not len(rows[1]):
-        yield _plan(manifest, outputs, sizes, casts, *(column[first:] for column in rows))
+    out, tid, start, end, begin, cast = rows
+    world, tensors = manifest.world_size, list(manifest.tensors.values())
+    flat = np.array([t.layout == "flat" for t in tensors], dtype=bool)[tid]
+    expected = int(np.where(flat, world, 1).sum())
+    parts = min(world, max(1, -(-expected // PIECE_BUDGET)))
+    if parts == 1:
+        yield _plan(manifest, outputs, sizes, casts, *rows)
+        return
+    numel = np.array([t.numel for t in tensors], dtype=np.int64)[tid]
+    holder = np.array([t.owner if t.layout == "local" else 0 for t in tensors], dtype=np.int64)[tid]
+    in_size = np.array([t.itemsize for t in tensors], dtype=np.int64)[tid]
+    out_size = np.where(cast > 0, np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast],
+                        in_size)
+    chunk = chunk_sizes(numel, world)
+    for k in range(parts):
+        first, stop = world * k // parts, world * (k + 1) // parts  # this part's input ranks
+        lo, hi = np.maximum(start, np.minimum(first * chunk, numel)), np.minimum(end, np.minimum(stop * chunk, numel))
+        keep = np.where(flat, lo < hi, (holder >= first) & (holder < stop))
+        lo, hi = np.where(flat, lo, start), np.where(flat, hi, end)
+        yield _plan(manifest, outputs, sizes, casts, out[keep], tid[keep], lo[keep], hi[keep],
+                    (begin + (lo - start) * out_size)[keep], cast[keep])
 
 
 def file_rows(manifest: Manifest, names: Sequence[str], shards: Sequence[Sequence[OutputTensor]],
