@@ -15,6 +15,7 @@ Outputs are rank files at a world size (reshard) or whole-tensor files (consolid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
@@ -23,7 +24,7 @@ import numpy as np
 from zeroshard.errors import InvalidArgumentError
 from zeroshard.format.layouts import Run, layouts_of
 from zeroshard.format.manifest import Manifest, TensorEntry
-from zeroshard.partition_arrays import chunk_sizes, holders, shard_ranges
+from zeroshard.partition_arrays import holders, shard_ranges
 from zeroshard.storage.safetensors_header import DTYPE_SIZES
 from zeroshard.toolkit.plan_text import describe_text
 from zeroshard.toolkit.plans import (
@@ -133,7 +134,7 @@ def rank_file_tasks(outputs: RankFilePlans, input_world: int, workers: int = 1) 
     split_tasks sizes tasks, by the pieces each output is expected to need (a fragment spans about
     input_world / world_size + 1 input files) and, for small outputs, the bytes written."""
     layouts = outputs.layouts
-    span = input_world // outputs.world_size + 2
+    span = math.ceil(input_world / outputs.world_size) + 1  # a cost estimate, not who owns what
     sizes = [layouts.file_size(r) for r in range(outputs.world_size)]
     pieces = [len(layouts.rank_layout(r).tensors) * span for r in range(outputs.world_size)]
     small = sum(sizes) <= TASK_BYTES // 4 * max(sum(1 for s in sizes if s), 1)
@@ -178,10 +179,10 @@ def plan_file_parts(manifest: Manifest, names: Sequence[str],
     in_size = np.array([t.itemsize for t in tensors], dtype=np.int64)[tid]
     out_size = np.where(cast > 0, np.array([DTYPE_SIZES[c[1]] if c else 0 for c in casts], dtype=np.int64)[cast],
                         in_size)
-    chunk = chunk_sizes(numel, world)
-    for k in range(parts):
-        first, stop = world * k // parts, world * (k + 1) // parts  # this part's input ranks
-        lo, hi = np.maximum(start, np.minimum(first * chunk, numel)), np.minimum(end, np.minimum(stop * chunk, numel))
+    bands = [world * k // parts for k in range(parts + 1)]  # each part's input ranks [first, stop)
+    for first, stop in zip(bands[:-1], bands[1:]):
+        lo = np.maximum(start, shard_ranges(numel, world, first)[0])
+        hi = np.minimum(end, shard_ranges(numel, world, stop)[0] if stop < world else numel)
         keep = np.where(flat, lo < hi, (holder >= first) & (holder < stop))
         lo, hi = np.where(flat, lo, start), np.where(flat, hi, end)
         yield _plan(manifest, outputs, sizes, casts, out[keep], tid[keep], lo[keep], hi[keep],
