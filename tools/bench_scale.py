@@ -8,7 +8,8 @@ per-file and per-fragment costs dominate, the case where a tensors x ranks algor
 Each command runs as its own process, interleaved with a baseline doing the same I/O
 (tools/benchlib.py: one warm-up repeat, then --repeat repeats, order rotated):
 
-- reshard ranks -> to   vs `cp -r` of the checkpoint + `sync`            (target <= 3x)
+- reshard ranks -> to   vs `cp -r` of the checkpoint + `sync` of each copied file (target <= 3x;
+                        --copy-sync global: one `sync` instead)
 - consolidate           vs `cat` of every rank file into ONE file + `sync` (target <= 1.2x: it reads
                         every rank file and writes one file, as cat does)
 - verify                vs `cat` of every rank file to /dev/null          (target <= 2x)
@@ -253,6 +254,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="result file (default tools/results/bench_scale.json)")
     parser.add_argument("--skip-part2", action="store_true")
     parser.add_argument("--only", default="reshard,consolidate,verify", help="which part-1 operations to run")
+    parser.add_argument("--copy-sync", choices=["files", "global"], default="files",
+                        help="reshard's baseline: cp -r, then fsync each copied file (files: what reshard "
+                             "guarantees its outputs) or one global sync")
     parser.add_argument("--floor", action="store_true", help="only the per-file floor (see the docstring)")
     parser.add_argument("--few", type=int, default=8, help="--floor: the few-rank side (few -> few - 1)")
     args = parser.parse_args()
@@ -291,7 +295,8 @@ def main() -> None:
     cases = [
         ("reshard", f"reshard {args.ranks} -> {args.to}", 3.0,
          lambda j: zeroshard("reshard", str(ckpt), "--to", str(args.to), "-o", str(out), "-j", str(j)),
-         f"cp -r {ckpt} {copy} && sync {copy}/*", "cp -r + sync"),
+         f"cp -r {ckpt} {copy} && sync" + ("" if args.copy_sync == "global" else f" {copy}/*"),
+         "cp -r + sync" + (" (one global sync)" if args.copy_sync == "global" else "")),
         ("consolidate", "consolidate", 1.2,
          lambda j: zeroshard("consolidate", str(ckpt), str(work / "out.safetensors"), "-j", str(j)),
          f"cat {ckpt}/*.safetensors > {work}/cat.bin && sync {work}/cat.bin", "cat of the rank files + sync"),
