@@ -55,8 +55,6 @@ UNBOUND_SECTIONS = (
     "### Earlier runs of bench_init",
     "## Parameter offload (tools/bench_offload.py)",
     "## Imports (tools/bench_import.py)",
-    "## On a GPU: the first run (H100, one rank)",
-    "### Step time, bf16 (tools/bench_train.py --device cuda)",
     "### Step time, second run: where the time goes, and a compute-bound batch",
     "### Checkpoints of GPU-resident state (tools/bench_checkpoint.py --device cuda)",
     "### Checkpoints of GPU-resident state, third run: through pinned windows",
