@@ -51,6 +51,12 @@ def fits(job: Job, planner: RankFilePlans) -> bool:
     source, target = Location(job.source_url, job.storage_options), Location(job.target_url, job.storage_options)
     if not (source.local and target.local):
         return False
+    return outputs_small(planner)
+
+
+def outputs_small(planner: RankFilePlans) -> bool:
+    """Whether every output rank file is at most PACK_FILE_BYTES (checked once per run of alike
+    ranks: they hold the same fragments)."""
     return max(planner.layouts.file_size(run.end - 1) for run in planner.layouts.runs) <= PACK_FILE_BYTES
 
 

@@ -119,27 +119,34 @@ def split_tasks(plan: Plan, workers: int = 1, whole_outputs: bool = True) -> lis
     PIECE_BUDGET pieces at most and, for small outputs, TASK_BYTES written; a few per worker.
     `whole_outputs=False`: tasks of consecutive pieces of outputs created up front (Plan.split)."""
     written = int(plan.written.sum())
-    small = whole_outputs and written <= TASK_BYTES // 4 * max(sum(1 for s in plan.output_sizes if s), 1)
-    per_worker = 4 if whole_outputs else 2  # runs of pieces: each task maps every input it reads from
-    parts = max(-(-len(plan) // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1,
-                per_worker * workers * (workers > 1))
+    outputs = sum(1 for s in plan.output_sizes if s)
+    parts, _ = task_count(len(plan), written, outputs, workers, whole_outputs)
     return [Task([i for i, size in enumerate(part.output_sizes) if size], plan=part)
             for part in plan.split(parts, whole_outputs)]
+
+
+def task_count(pieces: int, written: int, outputs: int, workers: int, whole_outputs: bool = True) -> tuple[int, bool]:
+    """How many tasks a copy of `pieces` pieces writing `written` bytes into `outputs` files is cut
+    into: PIECE_BUDGET pieces at most each and, for small outputs, TASK_BYTES written; a few per
+    worker. Also whether the outputs count as small (then the bytes bound a task too)."""
+    small = whole_outputs and written <= TASK_BYTES // 4 * max(outputs, 1)
+    per_worker = 4 if whole_outputs else 2  # runs of pieces: each task maps every input it reads from
+    parts = max(-(-pieces // PIECE_BUDGET), -(-written // TASK_BYTES) if small else 1,
+                per_worker * workers * (workers > 1))
+    return parts, small
 
 
 def rank_file_tasks(outputs: RankFilePlans, input_world: int, workers: int = 1) -> list[Task]:
     """Tasks of consecutive whole rank files, each left to plan its own pieces (Task.plan None), so
     that nothing holds the pieces of every output at once: a reshard 16,384 -> 16,000 of 300
     tensors has ~10M pieces (over 600 MB as arrays), a task at most PIECE_BUDGET. Sized as
-    split_tasks sizes tasks, by the pieces each output is expected to need (a fragment spans about
+    split_tasks sizes tasks (task_count), by the pieces each output is expected to need (a fragment spans about
     input_world / world_size + 1 input files) and, for small outputs, the bytes written."""
     layouts = outputs.layouts
     span = math.ceil(input_world / outputs.world_size) + 1  # a cost estimate, not who owns what
     sizes = [layouts.file_size(r) for r in range(outputs.world_size)]
     pieces = [len(layouts.rank_layout(r).tensors) * span for r in range(outputs.world_size)]
-    small = sum(sizes) <= TASK_BYTES // 4 * max(sum(1 for s in sizes if s), 1)
-    parts = max(-(-sum(pieces) // PIECE_BUDGET), -(-sum(sizes) // TASK_BYTES) if small else 1,
-                4 * workers * (workers > 1))
+    parts, small = task_count(sum(pieces), sum(sizes), sum(1 for s in sizes if s), workers)
     piece_cap, byte_cap = -(-sum(pieces) // parts), (-(-sum(sizes) // parts) if small else None)
     tasks, ranks, held, written = [], [], 0, 0
     for r in range(outputs.world_size):

@@ -26,7 +26,7 @@ from zeroshard.format import FileEntry, RankFileResult, TensorSpec
 from zeroshard.format.full_model import SourceTensor
 from zeroshard.storage.location import Location
 from zeroshard.toolkit.gather import copy_pieces
-from zeroshard.toolkit.packed import PACK_FILE_BYTES, PACK_MIN_FILES, output_buffer, write_outputs
+from zeroshard.toolkit.packed import PACK_MIN_FILES, output_buffer, outputs_small, write_outputs
 from zeroshard.toolkit.plan import output_rows, rank_file_tasks
 from zeroshard.toolkit.plans import RankFilePlans
 from zeroshard.toolkit.transfer import commit, discard
@@ -36,8 +36,7 @@ def fits(folder: Location, stage: Location, outputs: RankFilePlans) -> bool:
     """Whether the model's folder and the output are local and the rank files many and small."""
     if not (folder.local and stage.local) or outputs.world_size < PACK_MIN_FILES:
         return False
-    layouts = outputs.layouts
-    return max(layouts.file_size(run.end - 1) for run in layouts.runs) <= PACK_FILE_BYTES
+    return outputs_small(outputs)
 
 
 def write_packed(folder: Location, sources: dict[str, SourceTensor], outputs: RankFilePlans, stage: Location,
