@@ -19,6 +19,9 @@ bandwidth: an NvmeTier over Linear(dim, dim) units totalling --mib of fp32 parti
 all (update) and reads them back in unit order with read-ahead; `dd` with O_DIRECT writes and reads
 a file of the same size in unit-sized blocks on the same filesystem. Timings on a shared machine
 vary: run it when the load average is low, and compare ratios, not absolute numbers.
+
+Everything lands in tools/results/bench_offload.json (tools/benchlib.py: the memory figures as
+single values, the bandwidth as runs of both sides and their paired ratios, tier/dd throughput).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, device: st
     torch.distributed.destroy_process_group()
 
 
-def memory(args: argparse.Namespace) -> None:
+def memory(args: argparse.Namespace, rep: benchlib.Report) -> None:
     rows = []
     for device in ("none", "cpu", "nvme"):
         with socket.socket() as s:
@@ -105,16 +108,26 @@ def memory(args: argparse.Namespace) -> None:
         rows += sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join()
-    print(f"\nstage 3, world {args.world}, Ψ = {rows[0]['params']:,} params, offload_optimizer cpu, fp32; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print("| offload_param | rank | peak RSS − torch (MiB) | 16Ψ/N (MiB) | peak − no offload's (MiB) "
-          "| tier in host: formula (MiB) | tier on disk (MiB) | step (s) |")
-    print("|---|---|---|---|---|---|---|---|")
     plain = {r["rank"]: r["peak"] for r in rows if r["device"] == "none"}
+    rep.data["n_params"] = rows[0]["params"]
     for r in rows:
-        print(f"| {r['device']} | {r['rank']} | {r['peak'] / MiB:.0f} | {16 * r['owned'] / MiB:.0f} | "
-              f"{(r['peak'] - plain[r['rank']]) / MiB:+.0f} | {r['tier_host'] / MiB:.0f} | "
-              f"{r['tier_disk'] / MiB:.0f} | {r['step_s']:.2f} |")
+        at = f"{r['device']}_r{r['rank']}"
+        rep.value(f"peak_{at}_MiB", r["peak"] / MiB, "MiB", f"offload_param {r['device']}, rank {r['rank']}: "
+                  "peak RSS - torch's")
+        if r["device"] != "none":
+            rep.value(f"added_{at}_MiB", (r["peak"] - plain[r["rank"]]) / MiB, "MiB",
+                      f"offload_param {r['device']}, rank {r['rank']}: peak - no offload's peak")
+            rep.value(f"tier_host_{at}_MiB", r["tier_host"] / MiB, "MiB",
+                      f"offload_param {r['device']}, rank {r['rank']}: what the tier holds in host memory (formula)")
+    rep.value("formula_16psi_over_n_MiB", 16 * rows[0]["owned"] / MiB, "MiB",
+              "16 bytes x owned elements (the model-state formula), rank 0")
+    for r in rows:
+        if r["rank"] == 0:
+            rep.value(f"step_{r['device']}_s", r["step_s"], "s", f"offload_param {r['device']}: seconds per step, "
+                      f"mean of {args.steps}")
+            if r["device"] == "nvme":
+                rep.value("on_disk_nvme_MiB", r["tier_disk"] / MiB, "MiB", "offload_param nvme: partition on disk, "
+                          "rank 0")
 
 
 def _dd(args: list[str]) -> float:
@@ -151,30 +164,36 @@ def _tier_once(args: argparse.Namespace, layers: int) -> tuple[float, float, boo
     return out
 
 
-def bandwidth(args: argparse.Namespace) -> None:
+def bandwidth(args: argparse.Namespace, rep: benchlib.Report) -> None:
     layers = max(1, args.mib * MiB // (args.dim * args.dim * 4))
     unit_bytes = args.dim * args.dim * 4
     path = os.path.join(args.dir, "dd-bench.bin")
-    runs = []
-    for _ in range(args.repeat):  # alternate tier and dd: a shared disk's load changes by the second
-        write, read, direct, total = _tier_once(args, layers)
-        oflag, iflag = (["oflag=direct"], ["iflag=direct"]) if direct else ([], [])
-        dd_write = _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}", "conv=fsync", *oflag])
-        dd_read = _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *iflag])
-        os.unlink(path)
-        runs.append((write, read, dd_write, dd_read))
-    print(f"\nNVMe tier vs dd on {args.dir} ({total / MiB:.0f} MiB in {layers} units of {unit_bytes / MiB:.0f} MiB, "
-          f"O_DIRECT {'yes' if direct else 'no: the filesystem refused it'}); median of {args.repeat} alternating runs "
-          f"[range]; load average {os.getloadavg()[0]:.1f}")
-    print("| | tier (MiB/s) | dd (MiB/s) | tier/dd |")
-    print("|---|---|---|---|")
-    for name, i in (("write", 0), ("read", 1)):
-        tier = sorted(r[i] / MiB for r in runs)
-        dd = sorted(r[i + 2] / MiB for r in runs)
-        ratio = sorted(r[i] / r[i + 2] for r in runs)
-        mid = len(runs) // 2
-        print(f"| {name} | {tier[mid]:.0f} [{tier[0]:.0f}-{tier[-1]:.0f}] | {dd[mid]:.0f} [{dd[0]:.0f}-{dd[-1]:.0f}] "
-              f"| {ratio[mid]:.2f} [{ratio[0]:.2f}-{ratio[-1]:.2f}] |")
+    seconds: dict[str, list[float]] = {"tier_write": [], "tier_read": [], "dd_write": [], "dd_read": []}
+    direct = True
+    for i in range(args.warmup + args.repeat):  # tier and dd alternate first: a shared disk's load drifts
+        got: dict[str, float] = {}
+        for side in benchlib.rotated(["tier", "dd"], i):
+            if side == "tier":
+                write, read, direct, total = _tier_once(args, layers)
+                got["tier_write"], got["tier_read"] = total / write, total / read
+            else:
+                oflag, iflag = (["oflag=direct"], ["iflag=direct"]) if direct else ([], [])
+                size = layers * unit_bytes
+                got["dd_write"] = size / _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}",
+                                              "conv=fsync", *oflag])
+                got["dd_read"] = size / _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *iflag])
+                os.unlink(path)
+        if i >= args.warmup:
+            for k, v in got.items():
+                seconds[k].append(v)
+    what = f"{layers * unit_bytes / MiB:g} MiB in {layers} units of {unit_bytes / MiB:g} MiB"
+    for k, v in seconds.items():
+        tool, op = k.split("_")
+        rep.runs(k, v, f"{'NVMe tier' if tool == 'tier' else 'dd, O_DIRECT' if direct else 'dd'} {op} of {what}")
+    for op in ("write", "read"):
+        rep.ratio(f"tier_vs_dd_{op}", f"tier_{op}", f"dd_{op}", f"tier / dd {op} throughput", target=">= 0.7",
+                  invert=True)
+    rep.data["o_direct"] = direct
 
 
 def main() -> None:
@@ -185,15 +204,23 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mib", type=int, default=512, help="bandwidth: bytes of partitions to write and read")
-    ap.add_argument("--repeat", type=int, default=5, help="bandwidth: alternating tier/dd runs")
+    ap.add_argument("--repeat", type=int, default=10, help="bandwidth: alternating tier/dd runs")
+    ap.add_argument("--warmup", type=int, default=1, help="bandwidth: alternating runs first, not counted")
+    ap.add_argument("--json", default=None, help="result file (default tools/results/bench_offload.json)")
     ap.add_argument("--dir", help="where the NVMe files go (default: a temporary directory under the cwd)")
     args = ap.parse_args()
+    what = {"both": "memory and bandwidth"}.get(args.what, args.what)
+    rep = benchlib.Report("bench_offload", dict(vars(args)), scope=(
+        f"CPU, gloo, {benchlib.machine()['cores']} vCPUs, stage 3 at world {args.world}, fp32, {what}; the "
+        "NVMe tier's file and dd's on the same local filesystem"))
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
         args.dir = tmp
         if args.what in ("memory", "both"):
-            memory(args)
+            memory(args, rep)
         if args.what in ("bandwidth", "both"):
-            bandwidth(args)
+            bandwidth(args, rep)
+    path = rep.finish(args.json)
+    print("\n" + rep.table() + f"\n\nraw JSON: {path}")
     sys.exit(0)
 
 

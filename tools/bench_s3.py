@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -199,6 +200,12 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
+def key(name: str) -> str:
+    """A side's JSON key: its name as a word ('reshard 4 -> 3' -> 'reshard_4_3'), so a document
+    can bind a figure to it (tests/test_docs_figures.py)."""
+    return re.sub(r"\W+", "_", name).strip("_")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="20M", help="model size (default 20M: ~250 MB with AdamW state)")
@@ -287,13 +294,13 @@ def main() -> None:
         rep.data["load_before"] = load_before  # the report is made after the runs
         base = "single-stream copy"
         for name, (_, size) in jobs.items():
-            rep.runs(name, runs[name], f"{name} ({size / 1e6:.0f} MB copied)")
+            rep.runs(key(name), runs[name], f"{name} ({size / 1e6:.0f} MB copied)")
             if name != base:  # throughput ratio: (bytes / s) over the copy's (bytes / s), per round
                 ratios = [(size / t) / (jobs[base][1] / tb) for t, tb in zip(runs[name], runs[base])]
-                rep.ratio_values(f"{name}_vs_copy", ratios, f"{name} / single-stream copy throughput", ">= 2")
+                rep.ratio_values(f"{key(name)}_vs_copy", ratios, f"{name} / single-stream copy throughput", ">= 2")
         for name in jobs:
             d = detail[name][1:]  # the warm-up round dropped, as in runs
-            rep.value(f"{name}_server_cpu_share", benchlib.quantile([r["server_cpu"] / r["wall"] for r in d], 0.5),
+            rep.value(f"{key(name)}_server_cpu_share", benchlib.quantile([r["server_cpu"] / r["wall"] for r in d], 0.5),
                       "x", f"{name}: moto CPU seconds / wall seconds (median)")
         path = rep.finish(args.json)
         print("\n" + rep.table() + f"\n\nraw JSON: {path}")
