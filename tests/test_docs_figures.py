@@ -44,23 +44,8 @@ BYTES = {"kB": 1e3, "MB": 1e6, "GB": 1e9, "MiB": 2**20, "GiB": 2**30}
 # remaining work. A section leaves this list when its figures carry markers.
 UNBOUND_SECTIONS = (
     "### Where a save's time goes (a profile run, not kept as JSON)",
-    "#### Where the 124M load's time goes (a profile, not bound to the JSON's keys)",
-    "### Consolidate at 29M parameters (an earlier run, its JSON not kept)",
-    "#### Toolkit: A/B runs and the run before (not bound to a JSON key)",
-    "#### Toolkit at 328M: the A/B with the code before early writeback (not bound to a JSON key)",
-    "### The per-file floor (bench_scale.py --floor)",
-    "## S3 (tools/bench_s3.py)",
-    "### With an S3-like network (paced server)",
-    "### Bucket sizes and gloo's collectives (not from the run above)",
-    "### Earlier runs of bench_init",
     "## Parameter offload (tools/bench_offload.py)",
     "## Imports (tools/bench_import.py)",
-    "### Step time, second run: where the time goes, and a compute-bound batch",
-    "### Checkpoints of GPU-resident state (tools/bench_checkpoint.py --device cuda)",
-    "### Checkpoints of GPU-resident state, third run: through pinned windows",
-    "### Checkpoints of GPU-resident state, fourth run: the hash beside the reads, and DCP (H200)",
-    "### Checkpoints of GPU-resident state, fifth run: writes behind the hash, a window bug (H100)",
-    "## Appendix: history, measured the old way",
 )
 
 
