@@ -40,13 +40,26 @@ BLOCK = re.compile(r"<!-- (table (bench_\w+)|targets) -->\n.*?<!-- /(?:table|tar
 CODE = re.compile(r"^```.*?^```|^    .*?$|`[^`\n]*`", re.S | re.M)
 BYTES = {"kB": 1e3, "MB": 1e6, "GB": 1e9, "MiB": 2**20, "GiB": 2**30}
 
-# docs/BENCHMARKS.md sections whose prose is not bound yet (their tables are): issue 53's
-# remaining work. A section leaves this list when its figures carry markers.
-UNBOUND_SECTIONS = (
-    "### Where a save's time goes (a profile run, not kept as JSON)",
-    "## Parameter offload (tools/bench_offload.py)",
-    "## Imports (tools/bench_import.py)",
-)
+# Result files written before the harness recorded a run's commit and start (their commit was
+# inferred afterwards: the last commit before the run): the GPU runs, which no session since has had
+# a GPU to repeat. Every other file a doc binds records both; a rerun takes a file off this list.
+INFERRED_PROVENANCE = {
+    "tools/results/gpu/bench_checkpoint_h100_timeline.json",
+    "tools/results/gpu/bench_checkpoint_h100_write_behind_fixed_1.json",
+    "tools/results/gpu/bench_checkpoint_h100_write_behind_fixed_2.json",
+    "tools/results/gpu/bench_checkpoint_h100_write_inline.json",
+    "tools/results/gpu/bench_checkpoint_h200_dcp.json",
+    "tools/results/gpu/bench_checkpoint_h200_hash_behind_1.json",
+    "tools/results/gpu/bench_checkpoint_h200_hash_behind_2.json",
+    "tools/results/gpu/bench_checkpoint_h200_hash_inline.json",
+    "tools/results/gpu/bench_checkpoint_h200_profile.json",
+    "tools/results/gpu/bench_checkpoint_pinned_stage1.json",
+    "tools/results/gpu/bench_checkpoint_pinned_stage3.json",
+    "tools/results/gpu/bench_checkpoint_previous_stage3.json",
+    "tools/results/gpu/bench_checkpoint.json",
+    "tools/results/gpu/bench_train_bf16.json",
+    "tools/results/gpu/bench_train_bf16_b32.json",
+}
 
 
 def number(fig: str) -> tuple[float, int, str]:
@@ -139,19 +152,23 @@ def problems(text: str, root: Path = ROOT) -> list[str]:
     return out
 
 
-def sections(text: str) -> list[tuple[str, str, bool]]:
-    """(heading, body, listed) of every section of a markdown file; listed: it or a section
-    that holds it is in UNBOUND_SECTIONS."""
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of every section of a markdown file."""
     parts = re.split(r"(?m)^(#{1,4} .*)$", text)
-    out, stack = [("", parts[0], False)], []  # stack: (level, listed) of the enclosing headings
-    for heading, body in zip(parts[1::2], parts[2::2]):
-        level = len(heading) - len(heading.lstrip("#"))
-        while stack and stack[-1][0] >= level:
-            stack.pop()
-        listed = heading in UNBOUND_SECTIONS or any(inner for _, inner in stack)
-        stack.append((level, listed))
-        out.append((heading, body, listed))
-    return out
+    return [("", parts[0])] + list(zip(parts[1::2], parts[2::2]))
+
+
+def provenance(path: str) -> str | None:
+    """What is wrong with the record of when and on what a bound result file ran, or None."""
+    data = json.loads((ROOT / path).read_text())
+    commit = data.get("commit") or {}
+    if path in INFERRED_PROVENANCE:
+        return None if str(commit.get("how", "")).startswith("inferred") else f"{path}: rerun; off INFERRED_PROVENANCE"
+    if commit.get("how") != "recorded":
+        return f"{path}: its commit was not recorded by the run ({commit.get('how')!r})"
+    if not data.get("started") or data.get("started") == data.get("finished"):
+        return f"{path}: no start recorded apart from its end"
+    return None
 
 
 def readme_performance() -> str:
@@ -167,13 +184,18 @@ def test_readme_performance_binds_every_figure_to_one_json_key():
     assert problems(text) == []
 
 
-def test_benchmarks_md_prose_binds_every_figure_outside_the_listed_sections():
+def test_benchmarks_md_prose_binds_every_figure():
     doc = sections((ROOT / "docs" / "BENCHMARKS.md").read_text())
-    headings = [h for h, _, _ in doc]
-    assert [s for s in UNBOUND_SECTIONS if s not in headings] == [], "a listed section no longer exists"
-    checked = [(h, body) for h, body, listed in doc if not listed]
-    assert sum(len(MARKER.findall(b)) for _, b in checked) >= 20
-    assert [f"{h}: {p}" for h, body in checked for p in problems(body)] == []
+    assert sum(len(MARKER.findall(b)) for _, b in doc) >= 20
+    assert [f"{h}: {p}" for h, body in doc for p in problems(body)] == []
+
+
+def test_every_bound_result_recorded_its_commit_and_start():
+    texts = [(ROOT / "README.md").read_text(), (ROOT / "docs" / "BENCHMARKS.md").read_text()]
+    bound = sorted({m.group(1) for text in texts for m in MARKER.finditer(text)})
+    assert len(bound) >= 10
+    assert [p for p in map(provenance, bound) if p] == []
+    assert sorted(INFERRED_PROVENANCE - set(bound)) == [], "a listed file is no longer bound: take it off"
 
 
 def test_benchmarks_md_tables_are_the_json():
