@@ -52,7 +52,6 @@ INFERRED_PROVENANCE = {
     "tools/results/gpu/bench_checkpoint_h200_hash_behind_1.json",
     "tools/results/gpu/bench_checkpoint_h200_hash_behind_2.json",
     "tools/results/gpu/bench_checkpoint_h200_hash_inline.json",
-    "tools/results/gpu/bench_checkpoint_h200_profile.json",
     "tools/results/gpu/bench_checkpoint_pinned_stage1.json",
     "tools/results/gpu/bench_checkpoint_pinned_stage3.json",
     "tools/results/gpu/bench_checkpoint_previous_stage3.json",
@@ -158,9 +157,9 @@ def sections(text: str) -> list[tuple[str, str]]:
     return [("", parts[0])] + list(zip(parts[1::2], parts[2::2]))
 
 
-def provenance(path: str) -> str | None:
+def provenance(path: str, root: Path = ROOT) -> str | None:
     """What is wrong with the record of when and on what a bound result file ran, or None."""
-    data = json.loads((ROOT / path).read_text())
+    data = json.loads((root / path).read_text())
     commit = data.get("commit") or {}
     if path in INFERRED_PROVENANCE:
         return None if str(commit.get("how", "")).startswith("inferred") else f"{path}: rerun; off INFERRED_PROVENANCE"
@@ -258,6 +257,24 @@ def test_checker_catches(tmp_path, text, want):
 def test_checker_refuses_a_json_that_names_no_commit(tmp_path):
     root = _demo(tmp_path, commit=False)
     assert problems("0.50x" + KEY, root) == ["tools/results/bench_demo.json: names no commit"]
+
+
+def test_provenance_refuses_an_inferred_commit_and_a_start_that_is_its_end(tmp_path):
+    root, path = _demo(tmp_path), "tools/results/bench_demo.json"
+    data = json.loads((root / path).read_text())
+
+    def check(**change) -> str | None:
+        for key, value in change.items():
+            if key == "how":
+                data["commit"]["how"] = value
+            else:
+                data[key] = value
+        (root / path).write_text(json.dumps(data))
+        return provenance(path, root)
+
+    assert check(started="2026-12-02T01:00:00Z", finished="2026-12-02T01:05:00Z") is None
+    assert "not recorded" in check(how="inferred after the run: the last commit on main before its start")
+    assert "no start" in check(how="recorded", started="2026-12-02T01:05:00Z")
 
 
 def test_checker_reads_plain_numbers_and_bytes_from_other_json(tmp_path):
