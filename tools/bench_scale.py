@@ -62,10 +62,7 @@ def zeroshard(*args: str) -> list[str]:
 
 
 # The modules each command imports before it touches the checkpoint (start-up, a fixed cost).
-MODULES = {"reshard": "zeroshard.toolkit.reshard zeroshard.toolkit.packed",
-           "consolidate": "zeroshard.toolkit.consolidate zeroshard.toolkit.gather",
-           "verify": "zeroshard.toolkit.verify",
-           "shard": "zeroshard.toolkit.shard zeroshard.toolkit.shard_packed"}
+MODULES = benchlib.TOOLKIT_MODULES
 
 IN_PROCESS = """
 import importlib, sys, time
@@ -100,9 +97,7 @@ def in_process(command: list[str]) -> float:
 def start_up(command: str, repeat: int) -> list[float]:
     """Every run's wall time of interpreter start-up plus the command's imports, doing nothing
     else (the report quotes their median and IQR, never the fastest)."""
-    code = (f"import importlib, zeroshard.cli\nfor m in {MODULES[command].split()!r}:\n"
-            f"    try: importlib.import_module(m)\n    except ModuleNotFoundError: pass")
-    return [timed([sys.executable, "-c", code])[0] for _ in range(repeat)]
+    return [timed(benchlib.start_up_command(command))[0] for _ in range(repeat)]
 
 
 def build(path: Path, tensors: int, numel: int, world: int, keep_model: bool = False) -> float:

@@ -12,7 +12,9 @@ interleaved with its baseline (tools/benchlib.py: one warm-up, then --repeat rep
 - verify (reads and hashes everything) vs `cat` of the whole checkpoint to /dev/null,
 
 and reports the median and IQR of the paired ratios (target <= 1.3x), CPU-second ratios, and each
-command's peak RSS against the largest tensor + 512 MiB. zeroshard fsyncs every file it commits,
+command's peak RSS against the largest tensor + 512 MiB. A third side in each repeat starts the
+interpreter and imports what the command imports, then stops: its time against the baseline's
+is the part of a miss that is fixed cost, whatever the checkpoint's size. zeroshard fsyncs every file it commits,
 so the copies are synced too. Page cache is warm for both sides. Raw JSON:
 tools/results/bench_toolkit.json (--json PATH elsewhere).
 """
@@ -195,11 +197,18 @@ def main() -> None:
                    f"cat {ckpt}/*.safetensors > /dev/null", "cat > /dev/null", ()))
     limit = largest + 512 * 2**20
     for key, label, ours, base, base_label, outputs in groups:
-        runs = benchlib.interleave({key: side(key, ours), f"{key}_base": side(f"{key}_base", base)},
+        # the third side starts the interpreter and imports what the command imports, and stops:
+        # the share of the command's time that is fixed cost, whatever the checkpoint's size
+        start = benchlib.start_up_command(key.split("_")[0])
+        runs = benchlib.interleave({key: side(key, ours), f"{key}_base": side(f"{key}_base", base),
+                                    f"{key}_start_up": side(f"{key}_start_up", start)},
                                    args.repeat, warmup=1, before_each=rm(*outputs))
         rep.runs(key, runs[key], f"zeroshard {label}")
         rep.runs(f"{key}_base", runs[f"{key}_base"], f"{base_label} (baseline of {label})")
+        rep.runs(f"{key}_start_up", runs[f"{key}_start_up"], f"{label}: interpreter + imports alone")
         rep.ratio(f"{key}_vs_base", key, f"{key}_base", f"{label} / {base_label}", "<= 1.3")
+        rep.ratio(f"{key}_start_up_vs_base", f"{key}_start_up", f"{key}_base",
+                  f"{label}: interpreter + imports alone / {base_label}")
         rep.value(f"{key}_rss_MiB", rss[key] / 2**20, "MiB", f"{label}: peak RSS", f"<= {limit / 2**20:.0f}")
         rep.ratio_values(f"{key}_cpu_vs_base", benchlib.paired_ratios(cpu[key][1:], cpu[f"{key}_base"][1:]),
                          f"{label}: CPU seconds / baseline's")

@@ -181,6 +181,22 @@ def interleave(sides: dict[str, Callable[[], float | None]], repeats: int, warmu
     return out
 
 
+# What each toolkit command imports beyond zeroshard.cli (its own modules load lazily): a process
+# that imports only these measures the interpreter's start-up and the command's imports.
+TOOLKIT_MODULES = {"reshard": "zeroshard.toolkit.reshard zeroshard.toolkit.packed",
+                   "consolidate": "zeroshard.toolkit.consolidate zeroshard.toolkit.gather",
+                   "verify": "zeroshard.toolkit.verify",
+                   "shard": "zeroshard.toolkit.shard zeroshard.toolkit.shard_packed"}
+
+
+def start_up_command(command: str) -> list[str]:
+    """A process that starts the interpreter and imports what `zeroshard COMMAND` imports, and
+    does nothing else."""
+    code = (f"import importlib, zeroshard.cli\nfor m in {TOOLKIT_MODULES[command].split()!r}:\n"
+            f"    try: importlib.import_module(m)\n    except ModuleNotFoundError: pass")
+    return [sys.executable, "-c", code]
+
+
 def proc_status(key: str) -> int:
     """A byte count from /proc/self/status (e.g. VmHWM: this process's peak RSS); 0 where absent."""
     with open("/proc/self/status") as f:
