@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -210,6 +211,74 @@ def test_benchmarks_md_tables_are_the_json():
         else:
             want = f"<!-- targets -->\n{bench_charts.targets(results)}\n<!-- /targets -->"
         assert m.group(0).rstrip("\n") == want, f"{m.group(1)}: rerun tools/bench_charts.py --doc"
+
+
+def command_problems(args: dict, command: str) -> list[str]:
+    """How a printed `python tools/bench_X.py ...` command differs from the args its run recorded:
+    each flag printed must be an argument of the run, holding the value the run had. Not checked:
+    where the result was written (--json, an output path, not a condition of the measurement), a
+    value with a shell variable in it ($1), and flags the run set that the command leaves out
+    (the run's defaults are not in its JSON)."""
+    tokens = shlex.split(command.replace("\\\n", " ").split(" #")[0].split(";")[0])
+    tokens = tokens[next(i for i, t in enumerate(tokens) if t.startswith("tools/bench_")) + 1:]
+    out, printed = [], {}
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else True
+            printed[token[2:].replace("-", "_")] = value
+        elif not tokens[i - 1].startswith("--") if i else True:
+            if token not in {str(v) for v in args.values()}:
+                out.append(f"{token}: no argument of the run has this value")
+    printed.pop("json", None)
+    for key, value in printed.items():
+        if key not in args:
+            out.append(f"--{key}: the run had no such argument")
+        elif isinstance(value, str) and "$" in value:
+            continue
+        elif value is True:
+            if args[key] is not True:
+                out.append(f"--{key}: the run had {args[key]!r}")
+        elif str(args[key]) != value and not _same_number(args[key], value):
+            out.append(f"--{key} {value}: the run had {args[key]!r}")
+    return out
+
+
+def _same_number(a, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
+def test_every_table_has_the_command_its_run_ran_beside_it():
+    """Each `<!-- table bench_X -->` block of docs/BENCHMARKS.md follows, in its section, a printed
+    command of its bench whose flags are the run's (the section may print several: one fits)."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    results = ROOT / "tools" / "results"
+    checked, out = 0, []
+    for heading, body in sections(text):
+        for m in BLOCK.finditer(body):
+            if not m.group(2):
+                continue
+            data = json.loads((results / f"{m.group(2)}.json").read_text())
+            commands = re.findall(rf"(?m)^ {{4}}.*tools/{data['bench']}\.py(?:.*\\\n)*.*$", body[:m.start()])
+            verdicts = [command_problems(data["args"], c) for c in commands]
+            if not commands or all(verdicts):
+                out.append(f"{heading} / {m.group(2)}: " + ("no command printed" if not commands else
+                                                            "; ".join(min(verdicts, key=len))))
+            checked += 1
+    assert checked >= 10
+    assert out == []
+
+
+def test_command_check_catches_a_flag_the_run_did_not_have():
+    args = {"repeat": 3, "json": None, "profile": False, "dim": 1024}
+    assert command_problems(args, "    python tools/bench_x.py --repeat 3   # note --dim 5") == []
+    assert command_problems(args, "    python tools/bench_x.py --repeat 5") == ["--repeat 5: the run had 3"]
+    assert command_problems(args, "    python tools/bench_x.py --profile") == ["--profile: the run had False"]
+    assert command_problems(args, "    python tools/bench_x.py --layers 4") == [
+        "--layers: the run had no such argument"]
+    assert command_problems({**args, "json": "/tmp/x.json"}, "    python tools/bench_x.py --json y.json") == []
 
 
 def _demo(tmp_path: Path, commit: bool = True) -> Path:
