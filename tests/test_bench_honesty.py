@@ -41,6 +41,25 @@ def test_report_names_the_commit_it_ran_on():
     assert got["sha"] == head.stdout.strip() and isinstance(got["dirty"], bool) and got["how"] == "recorded"
 
 
+def test_a_tree_that_differs_only_in_results_is_not_dirty(tmp_path, monkeypatch):
+    """Benches run one after another rewrite tools/results: that is not a change of the code run."""
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "tools" / "results").mkdir(parents=True)
+    (tmp_path / "tools" / "results" / "bench_x.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(benchlib, "ROOT", tmp_path)
+    (tmp_path / "tools" / "results" / "bench_x.json").write_text('{"new": 1}')
+    assert benchlib.commit()["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    got = benchlib.commit()
+    assert got["dirty"] is True and got["dirty_paths"] == ["code.py"]
+
+
 class _Done:
     def __init__(self, rc: int) -> None:
         self.returncode = rc

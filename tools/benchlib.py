@@ -253,8 +253,13 @@ def commit() -> dict:
         return r.stdout.strip() if r.returncode == 0 else None
 
     sha = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"sha": sha, "dirty": None if status is None else bool(status), "how": "recorded"}
+    # Results and charts that earlier benches of the same session rewrote are not code: a tree that
+    # differs from HEAD only there ran HEAD's code. Anything else that differs is listed.
+    changed = git("diff", "--name-only", "HEAD", "--", ".", ":!tools/results", ":!docs/images")
+    out = {"sha": sha, "dirty": None if changed is None else bool(changed), "how": "recorded"}
+    if changed:
+        out["dirty_paths"] = changed.splitlines()[:50]
+    return out
 
 
 # The code a bench ran is the code when it began, not when it reported: recorded at import.
