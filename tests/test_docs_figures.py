@@ -36,7 +36,8 @@ FIGURE = re.compile(r"(?<![\w.,/])\d[\d,]*(?:\.\d+)?(?:x\b|%|(?: (?:s|ms|kB|MB|G
 MARKER = re.compile(r"<!-- (tools/results/[\w/]+\.json):([\w.@-]+) -->")  # @: a swept size (zs1@5M)
 WORDS = re.compile(r"\b(?:twice|thrice|half as|(?:two|three|four|five|six|seven|eight|nine|ten|a hundred) times"
                    r"|a (?:third|quarter|fifth|sixth|seventh|eighth|ninth|tenth) of|an order of magnitude)\b", re.I)
-BEST_OF = re.compile(r"(?:^|[._])(?:min|max|best|fastest|lowest)(?:$|[._])")
+# (torch's cuda max_allocated is the peak within one run, the quantity measured, not a best of runs)
+BEST_OF = re.compile(r"(?:^|[._])(?:min|max(?!_allocated)|best|fastest|lowest)(?:$|[._])")
 BLOCK = re.compile(r"<!-- (table (bench_\w+)|targets) -->\n.*?<!-- /(?:table|targets) -->\n?", re.S)
 CODE = re.compile(r"^```.*?^```|^    .*?$|`[^`\n]*`", re.S | re.M)
 BYTES = {"kB": 1e3, "MB": 1e6, "GB": 1e9, "MiB": 2**20, "GiB": 2**30}
@@ -111,7 +112,7 @@ def matches(fig: str, allowed: set[str], leaf: float | None, key: str) -> bool:
     if leaf is None:
         return False
     value, decimals, unit = number(fig)
-    if unit in BYTES and "bytes" in key.lower():
+    if unit in BYTES and re.search(r"bytes|allocated", key.lower()):  # a byte count, written in MiB/GB
         leaf = leaf / BYTES[unit]
     return round(leaf, decimals) == value
 
@@ -357,6 +358,15 @@ def test_checker_reads_plain_numbers_and_bytes_from_other_json(tmp_path):
     assert problems("1.49 GB<!-- tools/results/raw.json:bytes.zs --> and 62.0 ms"
                     "<!-- tools/results/raw.json:steps.0.ms -->", tmp_path) == []
     assert problems("1.50 GB<!-- tools/results/raw.json:bytes.zs -->", tmp_path) != []
+
+
+def test_a_peak_within_one_run_is_quoted_and_a_maximum_over_runs_is_not(tmp_path):
+    path = tmp_path / "tools" / "results" / "raw.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"commit": {"sha": "abc"}, "cuda_max_allocated": 4514545152, "step_max": 1.0}))
+    assert problems("4305 MiB<!-- tools/results/raw.json:cuda_max_allocated -->", tmp_path) == []
+    assert problems("1.0 s<!-- tools/results/raw.json:step_max -->", tmp_path) == [
+        "tools/results/raw.json:step_max: a minimum, maximum or best-of is never quoted"]
 
 
 @pytest.mark.parametrize("bench", ["bench_checkpoint", "bench_scale", "bench_toolkit"])
