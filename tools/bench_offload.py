@@ -131,16 +131,16 @@ def memory(args: argparse.Namespace, rep: benchlib.Report) -> None:
 
 
 def _dd(args: list[str]) -> float:
-    """Bytes per second that dd reports."""
+    """The seconds dd reports for its copy."""
     text = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
-    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", text)
+    m = re.search(r"\d+ bytes .* copied, ([\d.]+) s", text)
     if not m:
         raise SystemExit(f"could not read dd's output: {text!r}")
-    return int(m.group(1)) / float(m.group(2))
+    return float(m.group(1))
 
 
-def _tier_once(args: argparse.Namespace, layers: int) -> tuple[float, float, bool, int]:
-    """(write, read) bytes/s of an NvmeTier over `layers` Linear(dim, dim) units; O_DIRECT used; bytes."""
+def _tier_once(args: argparse.Namespace, layers: int) -> tuple[float, float, bool]:
+    """(write, read) seconds of an NvmeTier over `layers` Linear(dim, dim) units; O_DIRECT used."""
     from zeroshard.engine.layout import build_shards
     from zeroshard.engine.param_offload import NvmeTier
 
@@ -152,14 +152,14 @@ def _tier_once(args: argparse.Namespace, layers: int) -> tuple[float, float, boo
     tier.update()
     tier.flush()
     os.fsync(tier.fd)
-    write = tier.size / (time.perf_counter() - t0)
+    write = time.perf_counter() - t0
     targets = [torch.empty(s.chunk) for s in shards]
     t0 = time.perf_counter()
     for u in range(len(shards)):
         tier.read_ahead(list(range(u + 1, len(shards))))
         tier.fill(u, [shards[u]], [targets[u]])
-    read = tier.size / (time.perf_counter() - t0)
-    out = (write, read, tier.direct, tier.size)
+    read = time.perf_counter() - t0
+    out = (write, read, tier.direct)
     tier.close()
     return out
 
@@ -174,14 +174,12 @@ def bandwidth(args: argparse.Namespace, rep: benchlib.Report) -> None:
         got: dict[str, float] = {}
         for side in benchlib.rotated(["tier", "dd"], i):
             if side == "tier":
-                write, read, direct, total = _tier_once(args, layers)
-                got["tier_write"], got["tier_read"] = total / write, total / read
+                got["tier_write"], got["tier_read"], direct = _tier_once(args, layers)
             else:
                 oflag, iflag = (["oflag=direct"], ["iflag=direct"]) if direct else ([], [])
-                size = layers * unit_bytes
-                got["dd_write"] = size / _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}",
-                                              "conv=fsync", *oflag])
-                got["dd_read"] = size / _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *iflag])
+                got["dd_write"] = _dd(["if=/dev/zero", f"of={path}", f"bs={unit_bytes}", f"count={layers}",
+                                       "conv=fsync", *oflag])
+                got["dd_read"] = _dd([f"if={path}", "of=/dev/null", f"bs={unit_bytes}", *iflag])
                 os.unlink(path)
         if i >= args.warmup:
             for k, v in got.items():

@@ -61,9 +61,6 @@ def zeroshard(*args: str) -> list[str]:
     return [sys.executable, "-m", "zeroshard.cli", *args, "-q"]
 
 
-# The modules each command imports before it touches the checkpoint (start-up, a fixed cost).
-MODULES = benchlib.TOOLKIT_MODULES
-
 IN_PROCESS = """
 import importlib, sys, time
 import zeroshard.cli
@@ -87,8 +84,8 @@ finally:
 def in_process(command: list[str]) -> float:
     """Seconds the command spends after start-up and imports (see IN_PROCESS)."""
     args = command[command.index("zeroshard.cli") + 1:]
-    proc = subprocess.run([sys.executable, "-c", IN_PROCESS, MODULES[args[0]], *args], capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS, benchlib.TOOLKIT_MODULES[args[0]], *args],
+                          capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"failed: {command}\n{proc.stderr}")
     return float(proc.stderr.rsplit("in-process", 1)[1])

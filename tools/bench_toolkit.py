@@ -14,8 +14,8 @@ interleaved with its baseline (tools/benchlib.py: one warm-up, then --repeat rep
 and reports the median and IQR of the paired ratios (target <= 1.3x), CPU-second ratios, and each
 command's peak RSS against the largest tensor + 512 MiB. A third side in each repeat starts the
 interpreter and imports what the command imports, then stops: its time against the baseline's
-is the part of a miss that is fixed cost, whatever the checkpoint's size. zeroshard fsyncs every file it commits,
-so the copies are synced too. Page cache is warm for both sides. Raw JSON:
+is the part of a miss that is fixed cost, whatever the checkpoint's size. zeroshard fsyncs every
+file it commits, so the copies are synced too. Page cache is warm for both sides. Raw JSON:
 tools/results/bench_toolkit.json (--json PATH elsewhere).
 """
 
